@@ -1,0 +1,60 @@
+"""Training-health statistics per parameter family: weight RMS and applied-update RMS.
+
+Everything is reduced on the device and moved to the host in one transfer, so a logging
+step costs one sync however many parameters the model has.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from model.tp_ops import Group, all_reduce
+from optim.routing import kind_of
+
+
+class HealthStats:
+    def __init__(self, model: torch.nn.Module, tp_group: Group = None) -> None:
+        by_kind: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                by_kind[kind_of(name)].append(param)
+        self.kinds = sorted(by_kind)
+        self.params = [by_kind[k] for k in self.kinds]
+        self.tp_group = tp_group
+        # The RMS is that of the logical (single-process) tensor: TP shards record the
+        # logical element count, which excludes the vocabulary padding rows (always zero).
+        self.numel = [sum(getattr(p, "logical_numel", p.numel()) for p in plist) for plist in self.params]
+
+    def snapshot(self) -> list[list[torch.Tensor]]:
+        """Copies of the weights, taken before an optimizer step whose update is measured."""
+        return [[p.detach().clone() for p in plist] for plist in self.params]
+
+    def weight_rms(self) -> dict[str, float]:
+        values = self._rms([[p.detach() for p in plist] for plist in self.params])
+        return {f"model/weight_rms/{k}": v for k, v in zip(self.kinds, values)}
+
+    def update_rms(self, before: list[list[torch.Tensor]], lr: float) -> dict[str, float]:
+        """RMS of the update actually applied (weight decay included), divided by the lr.
+
+        Dividing by lr makes the figure comparable across the schedule: under Muon's
+        match_rms_adamw scaling it sits near 0.2, AdamW's typical update RMS.
+        """
+        deltas = [
+            [p.detach() - old for p, old in zip(plist, olds)]
+            for plist, olds in zip(self.params, before)
+        ]
+        values = self._rms(deltas)
+        return {f"optim/update_rms/{k}": v / lr for k, v in zip(self.kinds, values)}
+
+    def _rms(self, tensor_lists: list[list[torch.Tensor]]) -> list[float]:
+        sharded, replicated = [], []
+        for plist, tensors in zip(self.params, tensor_lists):
+            sq = [t.float().pow(2).sum() for t in tensors]
+            zero = torch.zeros((), device=tensors[0].device)
+            is_sharded = [getattr(p, "tp_split_dim", None) is not None for p in plist]
+            sharded.append(sum((s for s, f in zip(sq, is_sharded) if f), zero))
+            replicated.append(sum((s for s, f in zip(sq, is_sharded) if not f), zero))
+        total = all_reduce(torch.stack(sharded), self.tp_group) + torch.stack(replicated)
+        numel = torch.tensor(self.numel, dtype=torch.float32, device=total.device)
+        return (total / numel).sqrt().tolist()

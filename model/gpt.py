@@ -1,0 +1,215 @@
+"""A decoder-only GPT, readable top to bottom.
+
+Pre-norm RMSNorm blocks, attention with separate wq / wk / wv projections (never fused, so
+Muon can orthogonalise each on its own), rotary position embeddings, optional QK-norm,
+grouped-query attention, a SwiGLU MLP, and an LM head untied from the embedding.
+
+The model is plain single-device PyTorch. How it is parallelised lives elsewhere.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much
+        # precision in bf16 for wide models.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [max_seq_len, head_dim // 2]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + head_dim/2) of x [B, H, T, D] by position-dependent angles.
+
+    This "rotate half" pairing is the Llama / Hugging Face convention, which keeps exported
+    checkpoints loadable without permuting the wq / wk rows.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[None, None], sin[None, None]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        max_logit_out: Optional[list[torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if max_logit_out is not None:
+            max_logit_out.append(causal_max_logit(q, k))
+        # GQA: each kv head serves n_heads / n_kv_heads query heads.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def causal_max_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Largest pre-softmax logit q.k/sqrt(d) over visible (causal) positions, as a 0-d tensor.
+
+    The fused attention kernel never materialises the logits, so this recomputes them; the
+    trainer asks for it on one eval batch only, keeping the training hot path free of it.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    seq = q.shape[2]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    return logits.masked_fill(future, float("-inf")).amax()
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class LMHead(nn.Linear):
+    """The output projection, and the loss over its logits (a TP version shards both)."""
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        max_logit_out: Optional[list[torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, max_logit_out)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (it is taken from the tokenizer)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = LMHead(cfg.d_model, cfg.vocab_size)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Not persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # Sums of squares of each block's output and of the final normed hidden state,
+        # accumulated on the device while `track_output_rms` is on (the trainer turns it on
+        # for logging steps) and read with one transfer by `pop_output_rms`.
+        self.register_buffer("output_sq_sum", torch.zeros(cfg.n_layers + 1), persistent=False)
+        self.track_output_rms = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if param.ndim == 1:
+                nn.init.ones_(param)
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        max_logit_out: Optional[list[torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] when targets is None, else the mean cross-entropy loss.
+
+        If `max_logit_out` is a list, each block appends its attention's max logit to it.
+        """
+        seq = idx.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.embed(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, max_logit_out)
+            self._track_output(i, x)
+        x = self.final_norm(x)
+        self._track_output(self.cfg.n_layers, x)
+        logits = self.head(x)
+        if targets is None:
+            return self.head.full_logits(logits)
+        return self.head.loss(logits, targets)
+
+    def _track_output(self, slot: int, x: torch.Tensor) -> None:
+        if self.track_output_rms:
+            self.output_sq_sum[slot] += x.detach().float().pow(2).sum()
+
+    def pop_output_rms(self, n_tokens: int) -> torch.Tensor:
+        """RMS of each block's output (final norm last) over the `n_tokens` tracked since
+        the previous call; resets the sums."""
+        rms = (self.output_sq_sum / (n_tokens * self.cfg.d_model)).sqrt()
+        self.output_sq_sum.zero_()
+        return rms
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

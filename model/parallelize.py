@@ -1,0 +1,64 @@
+"""Turn a single-device GPT into its tensor-parallel shard, in place.
+
+The model definition (model/gpt.py) knows nothing of parallelism; this file decides which
+layer is split how. Attention is split by heads (wq, wk, wv column-parallel, wo
+row-parallel), the MLP by hidden units (gate and up column-parallel, down row-parallel),
+the embedding and LM head by vocabulary. Norms are replicated.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPHeadNorm,
+    TPInputNorm,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from model.tp_ops import Group, group_size
+
+
+def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming the model key that TP does not divide."""
+    for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
+        value = getattr(cfg, key)
+        if value % tp:
+            raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={tp}")
+
+
+def parallelize_tp(model: GPT, group: Group) -> GPT:
+    tp = group_size(group)
+    if tp == 1:
+        for param in model.parameters():
+            param.tp_split_dim = None
+        return model
+    check_tp_divisibility(model.cfg, tp)
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        block.attn_norm = TPInputNorm(block.attn_norm, group)
+        block.mlp_norm = TPInputNorm(block.mlp_norm, group)
+        attn.wq = ColumnParallelLinear(attn.wq, group)
+        attn.wk = ColumnParallelLinear(attn.wk, group)
+        attn.wv = ColumnParallelLinear(attn.wv, group)
+        attn.wo = RowParallelLinear(attn.wo, group)
+        if attn.q_norm is not None:
+            attn.q_norm = TPHeadNorm(attn.q_norm, group)
+            attn.k_norm = TPHeadNorm(attn.k_norm, group)
+        mlp.w_gate = ColumnParallelLinear(mlp.w_gate, group)
+        mlp.w_up = ColumnParallelLinear(mlp.w_up, group)
+        mlp.w_down = RowParallelLinear(mlp.w_down, group)
+    model.final_norm = TPInputNorm(model.final_norm, group)
+    model.embed = VocabParallelEmbedding(model.embed, group)
+    model.head = VocabParallelHead(model.head, model.cfg.vocab_size, group)
+    for param in model.parameters():
+        if not hasattr(param, "tp_split_dim"):
+            raise AssertionError("every parameter must record its TP split after parallelize_tp")
+    return model
+
+
+def is_tp_sharded(param: nn.Parameter) -> bool:
+    return getattr(param, "tp_split_dim", None) is not None

@@ -1,0 +1,96 @@
+"""Builds the optimizer for a model: Muon for hidden matrices and AdamW for the rest, stepped
+together as one object with one state_dict."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+
+from model.config import ModelConfig
+from optim.config import OptimConfig
+from optim.muon import Muon
+from optim.routing import HEAD_KINDS, route_parameters
+
+
+class MuonWithAdamW:
+    """Steps a list of torch optimizers as one. Each param group carries its "kind"."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(self.optimizers):
+            raise ValueError(
+                f"optimizer state holds {sorted(state)}, this run has {sorted(self.optimizers)}"
+            )
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers.values():
+            for per_param in opt.state.values():
+                yield from (v for v in per_param.values() if torch.is_tensor(v))
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig) -> MuonWithAdamW:
+    params = dict(model.named_parameters())
+    by_target: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    for route in route_parameters(model, cfg.name):
+        by_target[route.optimizer][route.kind].append(params[route.name])
+
+    def groups(target: str) -> list[dict[str, Any]]:
+        out = []
+        for kind, plist in by_target[target].items():
+            group = {
+                "params": plist,
+                "kind": kind,
+                "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),
+            }
+            if target == "muon" and cfg.muon.split_heads and kind in HEAD_KINDS:
+                group["split_rows"] = model_cfg.head_dim
+            out.append(group)
+        return out
+
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if by_target["muon"]:
+        m = cfg.muon
+        optimizers["muon"] = Muon(
+            groups("muon"),
+            lr=cfg.lr,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            ns_steps=m.ns_steps,
+            coefficients=m.coefficients,
+            ns_dtype=m.ns_dtype,
+            adjust_lr=m.adjust_lr,
+            eps=m.eps,
+        )
+    if by_target["adamw"]:
+        optimizers["adamw"] = torch.optim.AdamW(
+            groups("adamw"), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+        )
+    return MuonWithAdamW(optimizers)

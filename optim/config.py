@@ -1,0 +1,51 @@
+"""Optimizer configuration: the schema behind conf/optim/*.yaml.
+
+optim=muon and optim=adamw share every default here (lr, weight decay, schedule), so a
+comparison between them changes exactly one thing: which optimizer steps the hidden matrices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    # "classic": the quintic (3.4445, -4.7750, 2.0315) every step;
+    # "polar_express": per-step coefficients (Amsel et al., 2025).
+    coefficients: str = "classic"
+    # Newton-Schulz compute dtype: "bf16" (default, as in practice) or "fp32".
+    ns_dtype: str = "bf16"
+    # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), so Muon shares AdamW's lr and wd;
+    # "spectral": lr * sqrt(max(1, A / B)); "none": lr as is.
+    adjust_lr: str = "match_rms_adamw"
+    # Orthogonalise wq / wk / wv one attention head at a time instead of whole.
+    split_heads: bool = False
+    eps: float = 1e-7
+
+
+@dataclass
+class OptimConfig:
+    # "muon": Muon on hidden matrices + AdamW on the rest; "adamw": AdamW on everything.
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    # Floor of the decay phase (absolute learning rate).
+    min_lr: float = 3e-4
+    # "cosine": linear warmup then cosine to min_lr; "wsd": warmup, constant, then a linear
+    # decay to min_lr over the last `wsd_decay_fraction` of the run; "constant".
+    schedule: str = "cosine"
+    wsd_decay_fraction: float = 0.2
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = 1.0
+    # Weight decay per parameter family (attn_q, mlp_in, embed, norm, ...); families not
+    # listed use `weight_decay`. Moonlight decays RMSNorm gammas too, so norms are not exempt.
+    weight_decay_overrides: Dict[str, float] = field(default_factory=dict)
+    muon: MuonConfig = field(default_factory=MuonConfig)

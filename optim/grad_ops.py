@@ -1,0 +1,59 @@
+"""Gradient collectives and the global gradient norm, aware of the DP x TP mesh."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from model.tp_ops import all_reduce, group_size
+
+
+def average_gradients(params: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Average gradients over data-parallel ranks with one all-reduce per dtype bucket.
+
+    Flattening into one buffer turns hundreds of small collectives into one large one.
+    """
+    size = group_size(group)
+    if size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        bucket = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat.div_(size)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """L2 norm of the full model's gradient (after DP averaging), on every rank.
+
+    TP-sharded gradients hold different parts of the model on each TP rank, so their squares
+    are summed over TP; replicated gradients are equal on every rank and counted once.
+    """
+    sharded, replicated = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        target = sharded if getattr(p, "tp_split_dim", None) is not None else replicated
+        target.append(p.grad.float().pow(2).sum())
+    device = next(iter(sharded + replicated)).device
+    sq_sharded = torch.stack(sharded).sum() if sharded else torch.zeros((), device=device)
+    sq_replicated = torch.stack(replicated).sum() if replicated else torch.zeros((), device=device)
+    return (all_reduce(sq_sharded, tp_group) + sq_replicated).sqrt()
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (0: no clipping).
+
+    Returns the norm before clipping. The scale stays on the device: no host sync.
+    """
+    norm = global_grad_norm(params, tp_group)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
+    return norm

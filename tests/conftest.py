@@ -1,0 +1,34 @@
+"""Shared test helpers: compose the real Hydra config exactly as train.py does."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Tests never talk to wandb's servers.
+os.environ.setdefault("WANDB_MODE", "disabled")
+# Two cores: keep intra-op threads fixed so timings and reductions are repeatable.
+torch.set_num_threads(2)
+
+
+def compose(overrides: list[str] | None = None):
+    """The composed DictConfig for `overrides`, as `python train.py <overrides>` sees it."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from trainer.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+@pytest.fixture
+def compose_cfg():
+    return compose

@@ -1,0 +1,122 @@
+"""Config contract: presets compose, bad keys and types fail naming the key, bad values too."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from tests.conftest import REPO, compose
+from trainer.config import ConfigError, TrainConfig, to_dataclass, validate
+
+
+@pytest.mark.parametrize("preset", ["gpt_tiny", "gpt_small", "gpt_124m"])
+def test_presets_compose_and_validate(preset):
+    cfg = to_dataclass(compose([f"model={preset}"]))
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.name == preset
+    validate(cfg)
+
+
+def test_gpt_small_is_in_the_10_to_20m_range():
+    from dataclasses import replace
+
+    from model.gpt import GPT
+
+    cfg = to_dataclass(compose(["model=gpt_small"]))
+    n = GPT(replace(cfg.model, vocab_size=cfg.data.vocab_size)).num_params()
+    assert 10e6 <= n <= 20e6, n
+
+
+def test_contract_keys_exist():
+    cfg = compose()
+    for key in [
+        "seed", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.min_lr",
+        "optim.schedule", "trainer.max_steps", "trainer.batch_size", "trainer.seq_len",
+        "trainer.grad_accum", "trainer.precision", "trainer.compile", "trainer.device",
+        "eval.interval", "eval.batches", "logger.interval", "logger.wandb.mode",
+        "logger.wandb.project", "logger.tensorboard", "parallel.tp",
+    ]:
+        node = cfg
+        for part in key.split("."):
+            assert part in node, key
+            node = node[part]
+
+
+def test_optimizers_share_lr_wd_and_schedule_defaults():
+    muon = to_dataclass(compose(["optim=muon"])).optim
+    adamw = to_dataclass(compose(["optim=adamw"])).optim
+    for field in ("lr", "weight_decay", "warmup_steps", "min_lr", "schedule", "grad_clip"):
+        assert getattr(muon, field) == getattr(adamw, field), field
+    assert (muon.name, adamw.name) == ("muon", "adamw")
+
+
+def test_misspelled_override_names_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["trainer.max_stepz=5"])
+    assert "trainer.max_stepz" in str(err.value)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose(["trainer.batch_size=many"])
+    assert "trainer.batch_size" in str(err.value) + str(err.value.__cause__)
+
+
+def test_unknown_preset_is_reported():
+    with pytest.raises(Exception) as err:
+        compose(["model=gpt_huge"])
+    assert "gpt_huge" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.seq_len=4096"], "trainer.seq_len"),
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.grad_accum=0"], "trainer.grad_accum"),
+        (["trainer.precision=fp16"], "trainer.precision"),
+        (["optim.schedule=linear"], "optim.schedule"),
+        (["optim.min_lr=1.0"], "optim.min_lr"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["+optim.weight_decay_overrides.nrom=0.0"], "optim.weight_decay_overrides.nrom"),
+        (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+    ],
+)
+def test_validate_names_the_offending_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(to_dataclass(compose(overrides)))
+    assert key in str(err.value)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args, "logger.wandb.mode=disabled"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["trainer.seq_len=100000"], "trainer.seq_len"),
+        (["data=hf", "data.path=text", "data.data_files=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+    ],
+)
+def test_cli_reports_bad_values_in_one_line_without_traceback(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, proc.stderr
+    assert needle in error_lines[0]
+
+
+def test_cli_unknown_preset_fails_before_training():
+    proc = run_cli("model=gpt_huge")
+    assert proc.returncode != 0
+    assert "gpt_huge" in proc.stderr
+    assert "Traceback" not in proc.stderr

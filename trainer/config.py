@@ -1,0 +1,163 @@
+"""The run configuration: typed schemas for every config group, and start-up validation.
+
+Hydra composes conf/config.yaml on top of `TrainConfig` (registered below as
+"train_schema"), so a misspelled key or a value of the wrong type fails at composition
+with the key's full name. `validate` then checks what types cannot: values that do not fit
+together. Both run before any data, model or process-group work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from data.config import DataConfig
+from model.config import ModelConfig
+from optim.config import OptimConfig
+from optim.routing import ALL_KINDS
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported to the user as one line naming the key."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    # Sequences per data-parallel rank per micro-step.
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast.
+    precision: str = "bf16"
+    compile: bool = False
+    # "auto" picks CUDA when available, else CPU.
+    device: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    # Evaluate every `interval` steps (and always at the end); 0 evaluates only at the end.
+    interval: int = 100
+    # Fixed batches per eval set: the same windows every time, so curves are comparable.
+    batches: int = 8
+    # Eval batch size in sequences; 0 means trainer.batch_size.
+    batch_size: int = 0
+
+
+@dataclass
+class WandbConfig:
+    # "offline" writes under <run_dir>/wandb for a later `wandb sync`; "online"; "disabled".
+    mode: str = "offline"
+    project: str = "muon-trainer"
+    entity: Optional[str] = None
+    # Runs of one sweep share a group, so wandb shows them together.
+    group: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    # Log metrics every `interval` optimizer steps (and at the last step).
+    interval: int = 10
+    tensorboard: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # "auto": a tqdm bar on a terminal, plain lines otherwise; "bar"; "lines"; "none".
+    progress: str = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+
+
+@dataclass
+class TrainConfig:
+    # Names the run: outputs/<name>/<date-time>.
+    name: str = "run"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_dataclass(cfg: DictConfig) -> TrainConfig:
+    """The composed Hydra config as a plain, typed TrainConfig."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r} (expected one of {', '.join(allowed)})")
+
+
+def _positive(key: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check values that must fit together; raise ConfigError naming the key."""
+    t, m, o = cfg.trainer, cfg.model, cfg.optim
+    _positive("trainer.max_steps", t.max_steps)
+    _positive("trainer.batch_size", t.batch_size)
+    _positive("trainer.grad_accum", t.grad_accum)
+    _positive("trainer.seq_len", t.seq_len)
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} "
+            f"of model={m.name}"
+        )
+    _choice("trainer.precision", t.precision, ("bf16", "fp32"))
+    _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+
+    _positive("model.n_layers", m.n_layers)
+    _positive("model.n_heads", m.n_heads)
+    _positive("model.n_kv_heads", m.n_kv_heads)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model head_dim={m.head_dim} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}"
+        )
+
+    _choice("optim.name", o.name, ("muon", "adamw"))
+    _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
+    _positive("optim.warmup_steps", o.warmup_steps, minimum=0)
+    if not 0 < o.wsd_decay_fraction <= 1:
+        raise ConfigError(f"optim.wsd_decay_fraction must lie in (0, 1], got {o.wsd_decay_fraction}")
+
+    for kind in o.weight_decay_overrides:
+        if kind not in ALL_KINDS:
+            raise ConfigError(
+                f"optim.weight_decay_overrides.{kind}: unknown parameter family "
+                f"(expected one of {', '.join(sorted(ALL_KINDS))})"
+            )
+
+    _positive("eval.batches", cfg.eval.batches)
+    _positive("eval.interval", cfg.eval.interval, minimum=0)
+    _positive("eval.batch_size", cfg.eval.batch_size, minimum=0)
+    _positive("logger.interval", cfg.logger.interval)
+    _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
+    _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
+    _positive("parallel.tp", cfg.parallel.tp)
+    if o.name == "muon" and cfg.parallel.tp > 1:
+        raise ConfigError(
+            "optim=muon with parallel.tp>1 needs Newton-Schulz on whole (TP-gathered) "
+            "matrices, which is not implemented yet; use optim=adamw or parallel.tp=1"
+        )

@@ -1,0 +1,197 @@
+"""The training loop: mesh -> data -> model -> optimizer -> steps, with eval and metrics."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from data.loader import TrainBatches, eval_batches
+from data.pipeline import PreparedData, prepare_data
+from eval.evaluate import attention_max_logits, eval_losses
+from eval.health import HealthStats
+from model.gpt import GPT
+from model.parallelize import parallelize_tp
+from model.tp_ops import all_reduce
+from optim.builder import build_optimizer
+from optim.grad_ops import average_gradients, clip_gradients
+from optim.schedule import lr_at
+from trainer import device as dev
+from trainer.config import TrainConfig
+from trainer.mesh import Mesh, init_mesh
+from trainer.progress import Progress
+from trainer.sinks import MetricSinks
+
+log = logging.getLogger("trainer")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
+    """The full model from the seed alone, then this rank's TP shard of it.
+
+    Initialising the full model on every rank before sharding is what makes a TP=T run hold
+    exactly the weights of a TP=1 run with the same seed.
+    """
+    torch.manual_seed(cfg.seed)
+    model = GPT(replace(cfg.model, vocab_size=vocab_size))
+    return parallelize_tp(model, mesh.tp_group).to(device)
+
+
+def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
+    """Rank 0 builds the tokenizer and token caches while the others wait, then every rank
+    opens them. (The cache writes are atomic, so concurrent builders would be safe too;
+    waiting just avoids doing the work world-size times.)"""
+    if mesh.world_size > 1 and dev.local_rank() != 0:
+        dist.barrier()
+    data = prepare_data(cfg.data, cfg.trainer.seq_len)
+    if mesh.world_size > 1 and dev.local_rank() == 0:
+        dist.barrier()
+    return data
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, mesh: Optional[Mesh] = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        t = cfg.trainer
+        self.device = dev.resolve_device(t.device, dev.local_rank())
+        dev.enable_fast_math(self.device)
+        self.mesh = mesh if mesh is not None else init_mesh(cfg.parallel.tp, self.device)
+        dev.seed_everything(cfg.seed)
+
+        self.data = prepare_data_once(cfg, self.mesh)
+        self.model = build_model(cfg, self.data.vocab_size, self.mesh, self.device)
+        self.model_cfg = self.model.cfg
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.forward = dev.maybe_compile(self.model, t.compile)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg)
+        self.health = HealthStats(self.model, self.mesh.tp_group)
+
+        self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
+        self.tokens_per_step = self.global_batch * t.seq_len
+        self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
+        self.eval_sets = self._eval_sets()
+        self.step = 0
+        if self.mesh.is_main:
+            log.info(
+                "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step",
+                self.model_cfg.name, sum(p.numel() for p in self.params) / 1e6,
+                self.mesh.dp, self.mesh.tp, self.tokens_per_step,
+            )
+
+    def _eval_sets(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
+        t, e = self.cfg.trainer, self.cfg.eval
+        batch_size = e.batch_size or t.batch_size
+        sets = {}
+        for name, tokens in self.data.eval_sets.items():
+            batches = eval_batches(tokens, t.seq_len, batch_size, e.batches)
+            if name == "val":
+                # Max attention logits are read on one fixed batch, the same on every rank.
+                self.max_logit_batch = batches[0][0].to(self.device)
+            mine = batches[self.mesh.dp_rank :: self.mesh.dp]
+            sets[name] = [(x.to(self.device), y.to(self.device)) for x, y in mine]
+        return sets
+
+    def autocast(self):
+        return dev.autocast(self.device, self.cfg.trainer.precision)
+
+    def train_step(self, measure: bool) -> dict[str, torch.Tensor | float]:
+        """One optimizer step over grad_accum micro-batches. `measure` adds the health stats."""
+        t, mesh = self.cfg.trainer, self.mesh
+        lr = lr_at(self.step, self.cfg.optim, t.max_steps)
+        self.optimizer.set_lr(lr)
+        self.model.track_output_rms = measure
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum):
+            x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.autocast():
+                loss = self.forward(x, y)
+            # Every micro-batch holds the same number of tokens, so the mean of the
+            # micro-batch means (and then of the DP ranks' means) is the global token mean.
+            (loss / t.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        self.model.track_output_rms = False
+
+        average_gradients(self.params, mesh.dp_group)
+        grad_norm = clip_gradients(self.params, self.cfg.optim.grad_clip, mesh.tp_group)
+        stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
+        if measure:
+            before = self.health.snapshot()
+            dev.synchronize(self.device)
+            t0 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if measure:
+            dev.synchronize(self.device)
+            stats["perf/optim_step_s"] = time.perf_counter() - t0
+            stats["train/loss"] = all_reduce(stats["train/loss"], mesh.dp_group) / mesh.dp
+            stats["optim/grad_norm"] = grad_norm
+            stats["optim/lr"] = lr
+            stats.update(self.health.update_rms(before, lr))
+            stats.update(self.health.weight_rms())
+            n_tokens = t.batch_size * t.grad_accum * t.seq_len
+            rms = self.model.pop_output_rms(n_tokens)
+            rms = (all_reduce(rms, mesh.dp_group) / mesh.dp).tolist()
+            stats.update({f"model/output_rms/layer_{i}": v for i, v in enumerate(rms[:-1])})
+            stats["model/output_rms/final"] = rms[-1]
+        self.step += 1
+        return stats
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
+        metrics.update(
+            attention_max_logits(self.model, self.max_logit_batch, self.autocast, self.mesh.tp_group)
+        )
+        return metrics
+
+    def train(self) -> dict[str, float]:
+        """Run to trainer.max_steps; return the metrics of the last log event."""
+        cfg, mesh = self.cfg, self.mesh
+        t = cfg.trainer
+        sinks = None
+        if mesh.is_main:
+            resolved = asdict(replace(cfg, model=self.model_cfg))
+            sinks = MetricSinks(self.run_dir, cfg.logger, cfg.name, resolved)
+        progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none")
+        last: dict[str, float] = {}
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < t.max_steps:
+                done = self.step + 1
+                is_last = done == t.max_steps
+                measure = done % cfg.logger.interval == 0 or is_last
+                stats = self.train_step(measure)
+                window_steps += 1
+                progress.advance()
+                metrics: dict[str, float] = {}
+                if measure:
+                    dev.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    metrics = {k: float(v) for k, v in stats.items()}
+                    metrics["perf/step_s"] = elapsed / window_steps
+                    metrics["perf/tokens_per_s"] = self.tokens_per_step * window_steps / elapsed
+                    metrics["mem/optim_state_bytes"] = float(self.optimizer.state_bytes())
+                    progress.report(done, metrics["train/loss"], metrics["perf/tokens_per_s"])
+                eval_due = is_last or (cfg.eval.interval > 0 and done % cfg.eval.interval == 0)
+                if eval_due:
+                    eval_metrics = self.evaluate()
+                    progress.message(f"step {done}: " + ", ".join(
+                        f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
+                    ))
+                    metrics.update(eval_metrics)
+                if metrics:
+                    if sinks is not None:
+                        sinks.log(done, done * self.tokens_per_step, metrics)
+                    last = metrics
+                    # Eval and logging time is not training throughput: restart the window.
+                    window_start, window_steps = time.perf_counter(), 0
+        finally:
+            progress.close()
+            if sinks is not None:
+                sinks.close()
+        return last

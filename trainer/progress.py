@@ -1,0 +1,53 @@
+"""Progress display: a tqdm bar on a terminal, plain periodic lines in logs and CI."""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+    def __init__(self, total_steps: int, start_step: int, mode: str) -> None:
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        self.mode = mode
+        self.total = total_steps
+        self.start_step = start_step
+        self.start_time = time.perf_counter()
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if mode == "bar" else None
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """Called on logging steps, with `step` the number of steps completed."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        elif self.mode == "lines":
+            done = step - self.start_step
+            elapsed = time.perf_counter() - self.start_time
+            eta = elapsed / max(done, 1) * (self.total - step)
+            print(
+                f"step {step}/{self.total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
+                f"eta {_fmt_duration(eta)}",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.mode != "none":
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
