@@ -43,8 +43,9 @@ class EvalConfig:
     interval: int = 100
     # Fixed batches per eval set: the same windows every time, so curves are comparable.
     batches: int = 8
-    # Eval batch size in sequences; 0 means trainer.batch_size.
-    batch_size: int = 0
+    # Sequences per eval batch. Independent of the training batch and the DP size, so the
+    # eval windows (and the numbers) are the same whatever the parallel layout.
+    batch_size: int = 16
 
 
 @dataclass
@@ -151,7 +152,7 @@ def validate(cfg: TrainConfig) -> None:
 
     _positive("eval.batches", cfg.eval.batches)
     _positive("eval.interval", cfg.eval.interval, minimum=0)
-    _positive("eval.batch_size", cfg.eval.batch_size, minimum=0)
+    _positive("eval.batch_size", cfg.eval.batch_size)
     _positive("logger.interval", cfg.logger.interval)
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))

@@ -85,10 +85,9 @@ class Trainer:
     def _eval_sets(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
         t, e = self.cfg.trainer, self.cfg.eval
-        batch_size = e.batch_size or t.batch_size
         sets = {}
         for name, tokens in self.data.eval_sets.items():
-            batches = eval_batches(tokens, t.seq_len, batch_size, e.batches)
+            batches = eval_batches(tokens, t.seq_len, e.batch_size, e.batches)
             if name == "val":
                 # Max attention logits are read on one fixed batch, the same on every rank.
                 self.max_logit_batch = batches[0][0].to(self.device)

@@ -1,0 +1,1 @@
+"""Data: document sources, the BPE tokenizer, token caches and batch loaders."""

@@ -1,0 +1,334 @@
+"""Document sources: each yields (doc_id, text) in a deterministic order.
+
+Every source also has a `fingerprint()`: a cheap, JSON-able description of its content
+that goes into the tokenizer and token-cache keys, so a changed corpus is never served
+from a stale cache. This module imports neither torch nor `datasets` at import time:
+train.py calls `check_data_config` before loading either.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sysconfig
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Protocol
+
+from data.config import DataConfig, EvalSourceConfig
+from data.hashing import digest, hash_fraction
+
+Document = tuple[str, str]
+
+SOURCE_NAMES = ("stdlib", "hf")
+EVAL_KINDS = ("pydoc_topics", "hf")
+# A byte-level BPE starts from 256 byte tokens plus the EOS token; below this there is
+# hardly any room left for merges.
+MIN_VOCAB_SIZE = 512
+# Eval set names become metric names (val/<name>/loss) and cache file names.
+EVAL_NAME = re.compile(r"[A-Za-z0-9_-]+")
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Hub dataset ids never start like this; such a path is meant to be a local one.
+LOCAL_PREFIXES = ("/", "./", "../", "~")
+# Rows fetched from a `datasets` dataset at a time: per-row access is slow.
+HF_BATCH_ROWS = 1000
+
+
+class DataConfigError(ValueError):
+    """A data configuration problem, reported to the user as one line naming the key."""
+
+
+class Source(Protocol):
+    def fingerprint(self) -> dict[str, Any]: ...
+
+    def documents(self) -> Iterator[Document]: ...
+
+
+class SplittableSource(Source, Protocol):
+    def split_key(self, doc_id: str, text: str) -> str:
+        """What decides a document's train/val side."""
+        ...
+
+
+def is_held_out(split_key: str, val_fraction: float) -> bool:
+    """Whether a document belongs to the val side.
+
+    A fixed hash per document, not a random draw: the side is the same on every machine
+    and run, and train and val can never overlap.
+    """
+    return hash_fraction(split_key) < val_fraction
+
+
+@dataclass
+class HashSplit:
+    """One side ("train" or "val") of a hash split of `base`."""
+
+    base: SplittableSource
+    part: str
+    val_fraction: float
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"split": self.part, "val_fraction": self.val_fraction, "source": self.base.fingerprint()}
+
+    def documents(self) -> Iterator[Document]:
+        want_val = self.part == "val"
+        for doc_id, text in self.base.documents():
+            if is_held_out(self.base.split_key(doc_id, text), self.val_fraction) == want_val:
+                yield doc_id, text
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path, limit: Optional[int] = None) -> list[str]:
+    """Posix paths, relative to `root`, of its .py files in sorted order; the first `limit` if given."""
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
+        rel_dir = Path(dirpath).relative_to(root)
+        found.extend((rel_dir / name).as_posix() for name in filenames if name.endswith(".py"))
+    found.sort()
+    return found[:limit]
+
+
+@dataclass
+class StdlibSource:
+    """The .py sources of the running interpreter's standard library; doc_id is the relative path."""
+
+    root: Path = field(default_factory=stdlib_root)
+    limit: Optional[int] = None
+
+    @cached_property
+    def files(self) -> list[str]:
+        return stdlib_files(self.root, self.limit)
+
+    def fingerprint(self) -> dict[str, Any]:
+        # Paths and sizes identify an interpreter's stdlib without reading 30 MB.
+        return {"kind": "stdlib", "files": [[rel, (self.root / rel).stat().st_size] for rel in self.files]}
+
+    def documents(self) -> Iterator[Document]:
+        for rel in self.files:
+            try:
+                text = (self.root / rel).read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                # A few test fixtures are deliberately in legacy encodings. Skipping by
+                # content is deterministic, and decoding them some other way would be a guess.
+                continue
+            yield rel, text
+
+    def split_key(self, doc_id: str, text: str) -> str:
+        return doc_id
+
+
+@dataclass
+class PydocTopicsSource:
+    """The English help texts of `pydoc_data.topics`, by sorted topic name."""
+
+    max_docs: Optional[int] = None
+
+    def _items(self) -> list[Document]:
+        from pydoc_data.topics import topics
+
+        return sorted(topics.items())[: self.max_docs]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"kind": "pydoc_topics", "content": digest(self._items())}
+
+    def documents(self) -> Iterator[Document]:
+        yield from self._items()
+
+
+def is_remote(pattern: str) -> bool:
+    return "://" in pattern
+
+
+def data_files_base(path: Optional[str]) -> Optional[Path]:
+    """Where `datasets` looks for relative data_files of `path`; None when they are in a hub repo."""
+    if path is not None:
+        local = Path(path).expanduser()
+        if local.is_dir():
+            return local
+        if "/" in path and not path.startswith(LOCAL_PREFIXES):
+            return None
+    # A builder name ("text", "json", ...): data_files are relative to the working directory.
+    return Path.cwd()
+
+
+def local_data_files(path: Optional[str], data_files: Optional[list[str]]) -> dict[str, list[Path]]:
+    """Each local data_files pattern mapped to the files it matches (sorted)."""
+    base = data_files_base(path)
+    if base is None or not data_files:
+        return {}
+    return {
+        pattern: sorted(Path(p) for p in glob.glob(str(base / Path(pattern).expanduser()), recursive=True))
+        for pattern in data_files
+        if not is_remote(pattern)
+    }
+
+
+@dataclass
+class HFSource:
+    """A `datasets.load_dataset` split; doc_id is the record index.
+
+    `key` is the config key this source comes from ("data", "data.eval_sets.<name>"),
+    so errors name what the user has to fix.
+    """
+
+    key: str
+    path: str
+    dataset_config: Optional[str] = None
+    data_files: Optional[list[str]] = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+    max_docs: Optional[int] = None
+
+    @cached_property
+    def dataset(self) -> Any:
+        import datasets
+
+        return datasets.load_dataset(
+            self.path, self.dataset_config,
+            data_files=self.data_files, split=self.split, streaming=self.streaming,
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        files = local_data_files(self.path, self.data_files)
+        fp: dict[str, Any] = {
+            "kind": "hf",
+            "path": self.path,
+            "dataset_config": self.dataset_config,
+            "split": self.split,
+            "text_field": self.text_field,
+            "streaming": self.streaming,
+            "max_docs": self.max_docs,
+            "data_files": self.data_files,
+            "file_stats": [_file_stat(p) for matches in files.values() for p in matches],
+        }
+        if not self.streaming:
+            # `datasets` fingerprints a prepared dataset by its content and origin; no public
+            # accessor exists, so the attribute is read directly.
+            fp["dataset"] = self.dataset._fingerprint
+        return fp
+
+    def documents(self) -> Iterator[Document]:
+        texts = islice(self._texts(), self.max_docs)
+        for index, text in enumerate(texts):
+            if text is None:  # a null field is a missing document, not an error
+                continue
+            if not isinstance(text, str):
+                raise DataConfigError(
+                    f"{self.key}.text_field: field {self.text_field!r} holds {type(text).__name__}, not text"
+                )
+            yield str(index), text
+
+    def split_key(self, doc_id: str, text: str) -> str:
+        # By content, not index: duplicated documents land on the same side.
+        return text
+
+    def _texts(self) -> Iterator[Any]:
+        ds = self.dataset
+        if ds.column_names is not None:
+            self._require_text_field(ds.column_names)
+            ds = ds.select_columns([self.text_field])
+        for batch in ds.iter(batch_size=HF_BATCH_ROWS):
+            # A streaming dataset may only reveal its columns here.
+            self._require_text_field(batch)
+            yield from batch[self.text_field]
+
+    def _require_text_field(self, columns: Iterable[str]) -> None:
+        columns = list(columns)
+        if self.text_field not in columns:
+            raise DataConfigError(
+                f"{self.key}.text_field: no field {self.text_field!r} in {self.path!r}"
+                f" (fields: {', '.join(columns)})"
+            )
+
+
+def _file_stat(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def train_val_sources(cfg: DataConfig) -> tuple[HashSplit, HashSplit]:
+    """The train and in-domain val sides of the configured source."""
+    base: SplittableSource
+    if cfg.name == "stdlib":
+        base = StdlibSource(limit=cfg.max_docs)
+    else:
+        base = HFSource(
+            "data", cfg.path, cfg.dataset_config, cfg.data_files, cfg.split, cfg.text_field, cfg.streaming,
+            cfg.max_docs,
+        )
+    return HashSplit(base, "train", cfg.val_fraction), HashSplit(base, "val", cfg.val_fraction)
+
+
+def eval_source(name: str, ecfg: EvalSourceConfig) -> Source:
+    if ecfg.kind == "pydoc_topics":
+        return PydocTopicsSource(ecfg.max_docs)
+    return HFSource(
+        f"data.eval_sets.{name}", ecfg.path, ecfg.dataset_config, ecfg.data_files, ecfg.split,
+        ecfg.text_field, max_docs=ecfg.max_docs,
+    )
+
+
+def check_data_config(cfg: DataConfig) -> None:
+    """Fail fast, with one line naming the key, on anything wrong in `cfg`.
+
+    Cheap (no dataset loading, only file-system checks), so it runs at start-up before
+    any model or data work.
+    """
+    if cfg.name not in SOURCE_NAMES:
+        raise DataConfigError(f"data.name: unknown source {cfg.name!r} (expected stdlib or hf)")
+    if cfg.tokenizer is None and cfg.vocab_size < MIN_VOCAB_SIZE:
+        raise DataConfigError(f"data.vocab_size must be >= {MIN_VOCAB_SIZE} (got {cfg.vocab_size})")
+    if not 0 < cfg.val_fraction < 1:
+        raise DataConfigError(f"data.val_fraction must be in (0, 1) (got {cfg.val_fraction})")
+    if cfg.tokenizer_train_bytes < 1:
+        raise DataConfigError(f"data.tokenizer_train_bytes must be >= 1 (got {cfg.tokenizer_train_bytes})")
+    if not cfg.cache_dir:
+        raise DataConfigError("data.cache_dir: must not be empty")
+    _check_max_docs("data", cfg.max_docs)
+    if cfg.tokenizer is not None:
+        _check_local_path("data.tokenizer", cfg.tokenizer)
+    if cfg.name == "hf":
+        _check_hf_source("data", cfg.path, cfg.data_files)
+    for name, ecfg in cfg.eval_sets.items():
+        _check_eval_set(name, ecfg)
+
+
+def _check_eval_set(name: str, ecfg: EvalSourceConfig) -> None:
+    key = f"data.eval_sets.{name}"
+    if name == "val":
+        raise DataConfigError(f"{key}: the name 'val' is reserved for the in-domain split")
+    if not EVAL_NAME.fullmatch(name):
+        raise DataConfigError(f"{key}: eval set names may only use letters, digits, '_' and '-'")
+    if ecfg.kind not in EVAL_KINDS:
+        raise DataConfigError(f"{key}.kind: unknown kind {ecfg.kind!r} (expected pydoc_topics or hf)")
+    _check_max_docs(key, ecfg.max_docs)
+    if ecfg.kind == "hf":
+        _check_hf_source(key, ecfg.path, ecfg.data_files)
+
+
+def _check_max_docs(key: str, max_docs: Optional[int]) -> None:
+    if max_docs is not None and max_docs < 1:
+        raise DataConfigError(f"{key}.max_docs must be >= 1 or null (got {max_docs})")
+
+
+def _check_local_path(key: str, path: str) -> None:
+    if path.startswith(LOCAL_PREFIXES) and not Path(path).expanduser().exists():
+        raise DataConfigError(f"{key}: no such file or directory: {path}")
+
+
+def _check_hf_source(key: str, path: Optional[str], data_files: Optional[list[str]]) -> None:
+    if not path:
+        raise DataConfigError(
+            f"{key}.path: required for an hf source (a hub dataset, a builder like text, a local path)"
+        )
+    _check_local_path(f"{key}.path", path)
+    for pattern, matches in local_data_files(path, data_files).items():
+        if not matches:
+            raise DataConfigError(f"{key}.data_files: no such file: {pattern}")

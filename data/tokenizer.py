@@ -1,0 +1,101 @@
+"""The tokenizer: a byte-level BPE trained on the training split, or a pretrained one."""
+from __future__ import annotations
+
+import heapq
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from data.atomic import atomic_output
+from data.hashing import digest, hash_hex
+from data.sources import Document, Source
+
+EOS_TOKEN = "<|endoftext|>"
+# Bump when training changes in a way that makes earlier tokenizers wrong to reuse.
+BPE_FORMAT = 1
+
+
+def training_sample(docs: Iterable[Document], max_bytes: int) -> list[str]:
+    """Texts of the documents with the smallest doc_id hashes, in hash order, `max_bytes` in total.
+
+    Hash order is a shuffle that is the same everywhere, so the sample mixes the whole
+    corpus instead of taking its alphabetically first part. A heap keeps only the
+    documents that can still be in the sample, so memory stays near `max_bytes` even for
+    corpora far larger than that. The last document is cut to fit the budget exactly.
+    """
+    heap: list[tuple[int, int, str]] = []  # (-hash, size in bytes, text): the largest hash on top
+    total = 0
+    for doc_id, text in docs:
+        size = len(text.encode("utf-8"))
+        heapq.heappush(heap, (-int(hash_hex(doc_id), 16), size, text))
+        total += size
+        while total - heap[0][1] >= max_bytes:
+            total -= heapq.heappop(heap)[1]
+    sample: list[str] = []
+    budget = max_bytes
+    for _, size, text in sorted(heap, reverse=True):
+        if size > budget:
+            text = text.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
+        sample.append(text)
+        budget -= size
+        if budget <= 0:
+            break
+    return sample
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE: every string encodes (no unknown tokens) and decodes back exactly."""
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space: it would change the text, and decode(encode(x)) must give x back.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        # All 256 bytes, even those absent from the sample, so any text stays encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    return tokenizer
+
+
+def load_trained(path: Path) -> PreTrainedTokenizerFast:
+    # Spaces before punctuation are text too: the clean-up would break round trips.
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False
+    )
+
+
+def load_pretrained(name: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"data.tokenizer: {name!r} has no EOS token, which separates documents")
+    return tokenizer
+
+
+def trained_tokenizer_path(cache_dir: Path, train: Source, vocab_size: int, max_bytes: int) -> Path:
+    key = digest({"format": BPE_FORMAT, "vocab_size": vocab_size, "max_bytes": max_bytes,
+                  "source": train.fingerprint()})
+    return cache_dir / f"tokenizer-{key}" / "tokenizer.json"
+
+
+def build_trained(path: Path, train: Source, vocab_size: int, max_bytes: int) -> None:
+    bpe = train_bpe(training_sample(train.documents(), max_bytes), vocab_size)
+    with atomic_output(path) as f:
+        f.write(bpe.to_str().encode("utf-8"))
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Identifies what the tokenizer does, for token-cache keys."""
+    if not tokenizer.is_fast:
+        return digest({"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items())})
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    # Padding and truncation are call-time settings that transformers stores in the
+    # backend; they do not change how a document is tokenized here.
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    return digest(spec)

@@ -1,0 +1,484 @@
+"""Data package: sources and splits, the BPE, token caches, batch loaders, the pipeline."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from data.cache import cache_key, encode_documents, token_dtype
+from data.config import DataConfig, EvalSourceConfig
+from data.hashing import hash_fraction, hash_hex
+from data.loader import TrainBatches, eval_batches
+from data.pipeline import prepare_data
+from data.sources import (
+    DataConfigError,
+    HashSplit,
+    StdlibSource,
+    check_data_config,
+    is_held_out,
+    train_val_sources,
+)
+from data.tokenizer import (
+    EOS_TOKEN,
+    load_pretrained,
+    load_trained,
+    tokenizer_hash,
+    train_bpe,
+    trained_tokenizer_path,
+    training_sample,
+)
+
+ROUND_TRIP_TEXTS = [
+    "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # comment\n",
+    "class A(B, metaclass=M):\n\tpass\r\n\r\n",
+    "héllo wörld — naïve café; Ελληνικά; русский; 中文字符; 日本語のテキスト; 한국어",
+    "emoji 🐍🚀👩‍👩‍👧 flags 🇫🇷 combining é (e + U+0301), RTL שלום مرحبا",
+    "   leading and trailing spaces   ",
+    "\n\n\n\t\t  \u00a0nbsp\u200bzero-width\u3000ideographic space\n",
+    "control \x00\x01\x7f chars and a lone \\ backslash",
+    f"a literal {EOS_TOKEN} inside text",
+    "",
+]
+
+
+def small_stdlib_texts(n_files: int = 40) -> list[str]:
+    return [text for _, text in StdlibSource(limit=n_files).documents()]
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    """A 512-token BPE trained on a slice of the stdlib, loaded as the pipeline loads it."""
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(train_bpe(small_stdlib_texts(), 512).to_str())
+    return load_trained(path)
+
+
+def small_stdlib_config(cache_dir: Path, **overrides) -> DataConfig:
+    settings = {"cache_dir": str(cache_dir), "max_docs": 60, "val_fraction": 0.2, "vocab_size": 512}
+    return DataConfig(**{**settings, **overrides})
+
+
+def cache_actions(caplog) -> dict[str, str]:
+    """What the pipeline logged per artefact: {"train": "built", "val": "reused", ...}."""
+    return {name.rstrip(":"): action for name, action, *_ in (m.split(" ") for m in caplog.messages)}
+
+
+def documents_in(tokens: np.ndarray, tokenizer) -> list[str]:
+    """Decode a token array back into its documents (each is followed by EOS)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    ends = np.flatnonzero(ids == tokenizer.eos_token_id)
+    assert len(ends) and ends[-1] == len(ids) - 1, "the array must end with EOS"
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(ids[s:e].tolist()) for s, e in zip(starts, ends)]
+
+
+# ---- tokenizer ----
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_bpe_round_trips_any_text(small_tokenizer, text):
+    ids = small_tokenizer.encode(text)
+    assert small_tokenizer.decode(ids) == text
+
+
+def test_bpe_vocab_and_eos(small_tokenizer):
+    assert len(small_tokenizer) == 512
+    assert small_tokenizer.eos_token == EOS_TOKEN
+    assert small_tokenizer.convert_ids_to_tokens(small_tokenizer.eos_token_id) == EOS_TOKEN
+    # Merges learned from code: indentation and keywords compress below one token per byte.
+    text = "    def __init__(self):\n        return None\n"
+    assert len(small_tokenizer.encode(text)) < len(text.encode()) / 2
+
+
+def test_literal_eos_in_a_document_is_text_not_a_separator(small_tokenizer):
+    docs = [("a", f"x {EOS_TOKEN} y"), ("b", "z")]
+    ids = [i for batch in encode_documents(docs, small_tokenizer) for i in batch]
+    eos = small_tokenizer.eos_token_id
+    assert ids.count(eos) == 2 and ids[-1] == eos
+    first_end = ids.index(eos)
+    assert small_tokenizer.decode(ids[:first_end]) == f"x {EOS_TOKEN} y"
+    assert small_tokenizer.decode(ids[first_end + 1 : -1]) == "z"
+
+
+def test_training_sample_is_hash_ordered_and_within_budget():
+    docs = [(f"doc{i}", f"text number {i} " * (i % 7 + 1)) for i in range(200)]
+    assert sum(len(t.encode()) for _, t in docs) > 1000
+    sample = training_sample(docs, 1000)
+    assert sum(len(t.encode()) for t in sample) == 1000
+    shuffled = docs[:]
+    random.Random(0).shuffle(shuffled)
+    assert training_sample(shuffled, 1000) == sample
+    by_hash = sorted(docs, key=lambda d: hash_hex(d[0]))
+    assert sample[:-1] == [t for _, t in by_hash[: len(sample) - 1]]
+    assert by_hash[len(sample) - 1][1].startswith(sample[-1])  # the last one is cut to fit
+    assert sorted(training_sample(docs, 10**9)) == sorted(t for _, t in docs)
+
+
+# ---- sources ----
+
+
+def test_stdlib_source_reads_py_files_and_skips_excluded_and_non_utf8(tmp_path):
+    files = {
+        "a.py": b"x = 1\n",
+        "legacy.py": "s = 'caf\xe9'\n".encode("latin-1"),
+        "pkg/b.py": "y = 'é'\n".encode(),
+        "pkg/notes.txt": b"not python",
+        "site-packages/c.py": b"z = 3",
+        "pkg/__pycache__/d.py": b"w = 4",
+        "dist-packages/e.py": b"v = 5",
+    }
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    source = StdlibSource(root=tmp_path)
+    assert source.fingerprint()["files"] == [["a.py", 6], ["legacy.py", 11], ["pkg/b.py", 9]]
+    assert list(source.documents()) == [("a.py", "x = 1\n"), ("pkg/b.py", "y = 'é'\n")]
+    assert [d for d, _ in StdlibSource(root=tmp_path, limit=1).documents()] == ["a.py"]
+
+
+def test_split_hash_is_stable_and_not_python_hash():
+    # Golden value: blake2b of the relative path, the same on every machine and process.
+    assert hash_fraction("json/__init__.py") == pytest.approx(0.1870375286333544, abs=1e-15)
+    assert is_held_out("json/__init__.py", 0.2) and not is_held_out("json/__init__.py", 0.18)
+
+
+def test_stdlib_train_val_split():
+    base = StdlibSource()
+    all_ids = [doc_id for doc_id, _ in base.documents()]
+    assert len(all_ids) > 500 and all(i.endswith(".py") and "\\" not in i for i in all_ids)
+    assert not any(part in i.split("/") for i in all_ids for part in ("site-packages", "__pycache__"))
+
+    def split(fraction: float) -> tuple[list[str], list[str]]:
+        train, val = (HashSplit(base, part, fraction) for part in ("train", "val"))
+        return [d for d, _ in train.documents()], [d for d, _ in val.documents()]
+
+    train, val = split(0.01)
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(all_ids)
+    assert 0.003 < len(val) / len(all_ids) < 0.03
+    assert split(0.01) == (train, val)
+    # A module's side is a fixed property of its path: a larger fraction only adds modules.
+    assert set(val) < set(split(0.05)[1])
+
+
+# ---- loader ----
+
+
+@pytest.fixture
+def ramp() -> np.ndarray:
+    return np.arange(20_000, dtype=np.uint16)
+
+
+def test_train_batches_are_reproducible_per_step(ramp):
+    batches = TrainBatches(ramp, seq_len=16, global_batch=8, seed=3)
+    rows = batches.global_batch(5)
+    assert rows.dtype == torch.int64 and rows.shape == (8, 17)
+    assert torch.equal(rows, TrainBatches(ramp, 16, 8, seed=3).global_batch(5))
+    assert not torch.equal(rows, batches.global_batch(6))
+    assert not torch.equal(rows, TrainBatches(ramp, 16, 8, seed=4).global_batch(5))
+    # Windows are consecutive tokens (the ramp makes each row count up by one).
+    assert torch.equal(rows[:, 1:] - rows[:, :-1], torch.ones(8, 16, dtype=torch.int64))
+
+
+def test_micro_batch_targets_are_inputs_shifted(ramp):
+    x, y = TrainBatches(ramp, 16, 8, seed=0).micro_batch(0, 0, 0, 1, 1)
+    assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, x + 1)
+
+
+def test_batch_split_over_ranks_and_micro_steps_covers_the_same_sequences(ramp):
+    per_rank, step = 4, 11
+    batches = TrainBatches(ramp, 16, 2 * per_rank, seed=7)
+
+    def rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, ...]]:
+        return sorted(tuple(r) for x, _ in parts for r in x.tolist())
+
+    dp2 = rows([batches.micro_batch(step, 0, rank, 2, 1) for rank in range(2)])
+    dp1_double = rows([batches.micro_batch(step, 0, 0, 1, 1)])
+    dp1_accum2 = rows([batches.micro_batch(step, micro, 0, 1, 2) for micro in range(2)])
+    assert dp2 == dp1_double == dp1_accum2
+    assert dp2 == sorted(tuple(r) for r in batches.global_batch(step)[:, :-1].tolist())
+    # Distinct blocks: the two ranks do not get the same rows.
+    rank0, rank1 = (batches.micro_batch(step, 0, rank, 2, 1)[0] for rank in range(2))
+    assert not torch.equal(rank0, rank1)
+
+
+def test_train_batches_offsets_span_the_whole_range():
+    tokens = np.arange(18, dtype=np.uint16)  # seq_len + 2: exactly two possible offsets
+    batches = TrainBatches(tokens, seq_len=16, global_batch=64, seed=0)
+    assert set(batches.global_batch(0)[:, 0].tolist()) == {0, 1}
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainBatches(tokens[:17], seq_len=16, global_batch=1, seed=0)
+    with pytest.raises(ValueError, match="divisible"):
+        batches.micro_batch(0, 0, 0, 5, 1)
+
+
+def test_eval_batches_are_fixed_and_evenly_spread(ramp):
+    first = eval_batches(ramp, seq_len=16, batch_size=4, n_batches=3)
+    second = eval_batches(ramp, seq_len=16, batch_size=4, n_batches=3)
+    assert len(first) == 3
+    for (x1, y1), (x2, y2) in zip(first, second):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert x1.shape == (4, 16) and torch.equal(y1, x1 + 1)
+    starts = torch.cat([x[:, 0] for x, _ in first]).tolist()
+    assert starts[0] == 0 and starts[-1] + 17 == len(ramp)  # first to last token
+    gaps = np.diff(starts)
+    assert gaps.min() >= 17 and gaps.max() - gaps.min() <= 1  # disjoint, even spacing
+
+
+def test_eval_batches_on_a_small_set_overlap_and_too_small_fails():
+    tokens = np.arange(40, dtype=np.uint16)
+    batches = eval_batches(tokens, seq_len=16, batch_size=4, n_batches=2)
+    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert len(starts) == 8 and starts[0] == 0 and starts[-1] == 40 - 17
+    assert starts == torch.cat([x[:, 0] for x, _ in eval_batches(tokens, 16, 4, 2)]).tolist()
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        eval_batches(tokens[:16], seq_len=16, batch_size=1, n_batches=1)
+
+
+# ---- token cache and pipeline (stdlib) ----
+
+
+def test_token_dtype_widens_past_65536():
+    assert token_dtype(512) == np.uint16
+    assert token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+    assert token_dtype(151_000) == np.uint32
+
+
+def test_prepare_stdlib_tokens_hold_the_split_documents(tmp_path):
+    cfg = small_stdlib_config(tmp_path / "cache")
+    data = prepare_data(cfg, seq_len=64)
+    assert list(data.eval_sets) == ["val", "ood_prose"]
+    assert data.vocab_size == len(data.tokenizer) == 512
+    assert data.eos_id == data.tokenizer.eos_token_id
+    assert isinstance(data.train, np.memmap) and data.train.dtype == np.uint16 and data.train.mode == "r"
+    train_source, val_source = train_val_sources(cfg)
+    assert documents_in(data.train, data.tokenizer) == [t for _, t in train_source.documents() if t]
+    assert documents_in(data.eval_sets["val"], data.tokenizer) == [t for _, t in val_source.documents() if t]
+    from pydoc_data.topics import topics
+
+    assert documents_in(data.eval_sets["ood_prose"], data.tokenizer) == [topics[k] for k in sorted(topics)]
+    too_long = len(data.eval_sets["val"])
+    with pytest.raises(ValueError, match=f"'val' has {too_long} tokens; seq_len {too_long} needs {too_long + 1}"):
+        prepare_data(cfg, seq_len=too_long)
+
+
+def cache_files(cache_dir: Path) -> dict[str, int]:
+    """Every file under cache_dir with its modification time."""
+    return {p.relative_to(cache_dir).as_posix(): p.stat().st_mtime_ns for p in cache_dir.rglob("*") if p.is_file()}
+
+
+def test_cache_is_reused_written_atomically_and_repaired(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="data")
+    cache_dir = tmp_path / "cache"
+    cfg = small_stdlib_config(cache_dir)
+    first = prepare_data(cfg)
+    built = cache_files(cache_dir)
+    assert not [name for name in built if name.endswith(".tmp")]
+    assert sorted(Path(name).suffix for name in built) == [".bin"] * 3 + [".json"] * 4
+
+    caplog.clear()
+    second = prepare_data(cfg)
+    assert cache_files(cache_dir) == built
+    assert set(cache_actions(caplog).values()) == {"reused"} and len(cache_actions(caplog)) == 4
+    assert np.array_equal(first.train, second.train)
+
+    train_bin = Path(second.train.filename)
+    expected = np.array(second.train)
+    with open(train_bin, "r+b") as f:
+        f.truncate(train_bin.stat().st_size - 2)
+    val_meta = Path(second.eval_sets["val"].filename).with_suffix(".json")
+    val_meta.write_text("{not json")
+    caplog.clear()
+    repaired = prepare_data(cfg)
+    assert cache_actions(caplog) == {
+        "tokenizer": "reused", "train": "built", "val": "built", "ood_prose": "reused"
+    }
+    assert np.array_equal(repaired.train, expected)
+    assert json.loads(val_meta.read_text())["n_tokens"] == len(first.eval_sets["val"])
+    assert not [p for p in cache_dir.rglob("*.tmp")]
+
+
+def test_a_different_tokenizer_gets_a_different_cache(tmp_path, small_tokenizer):
+    cfg = small_stdlib_config(tmp_path / "cache")
+    a = prepare_data(cfg)
+    b = prepare_data(small_stdlib_config(tmp_path / "cache", vocab_size=600))
+    assert len(b.tokenizer) == 600
+    assert Path(a.train.filename) != Path(b.train.filename)
+    assert tokenizer_hash(a.tokenizer) != tokenizer_hash(b.tokenizer)
+    fingerprint = {"kind": "test"}
+    assert cache_key(fingerprint, tokenizer_hash(a.tokenizer)) != cache_key(
+        fingerprint, tokenizer_hash(small_tokenizer)
+    )
+    # The hash describes the tokenizer, not its state: a fresh load that has encoded
+    # nothing yet hashes like the one the pipeline used.
+    path = trained_tokenizer_path(tmp_path / "cache", train_val_sources(cfg)[0], 512, cfg.tokenizer_train_bytes)
+    assert tokenizer_hash(load_trained(path)) == tokenizer_hash(a.tokenizer)
+
+
+# ---- data=hf on local files ----
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep `datasets`' own arrow cache inside the test's directory."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+def write_corpus(path: Path) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "über", "naïve", "函数", "tree", "river", "stone"]
+    lines = [f"line {i}: the {words[i % 10]} and {words[i * 7 % 10]} count {i * 13 % 97}." for i in range(400)]
+    lines += lines[:20]  # duplicates must land on the same side as their originals
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+def hf_config(tmp_path: Path, corpus: Path, **overrides) -> DataConfig:
+    settings = {
+        "name": "hf", "path": "text", "data_files": [str(corpus)], "vocab_size": 512, "val_fraction": 0.1,
+        "cache_dir": str(tmp_path / "cache"), "eval_sets": {},
+    }
+    return DataConfig(**{**settings, **overrides})
+
+
+def test_hf_local_text_files_with_an_hf_eval_set(tmp_path, hf_cache):
+    corpus = tmp_path / "corpus.txt"
+    lines = write_corpus(corpus)
+    bodies = [f"Wiki paragraph {i}: prose about rivers and stones, ünïcödé." for i in range(30)]
+    wiki = tmp_path / "wiki.jsonl"
+    wiki.write_text("".join(json.dumps({"id": i, "body": b}) + "\n" for i, b in enumerate(bodies)))
+    cfg = hf_config(tmp_path, corpus, eval_sets={
+        "wiki-1": EvalSourceConfig(kind="hf", path="json", data_files=[str(wiki)], text_field="body"),
+    })
+    data = prepare_data(cfg, seq_len=32)
+    assert list(data.eval_sets) == ["val", "wiki-1"]
+    val_lines = [line for line in lines if is_held_out(line, 0.1)]
+    train_lines = [line for line in lines if not is_held_out(line, 0.1)]
+    assert 0 < len(val_lines) < len(lines) / 4
+    assert documents_in(data.train, data.tokenizer) == train_lines
+    assert documents_in(data.eval_sets["val"], data.tokenizer) == val_lines
+    assert documents_in(data.eval_sets["wiki-1"], data.tokenizer) == bodies
+
+
+def test_hf_max_docs_limits_records(tmp_path, hf_cache):
+    corpus = tmp_path / "corpus.txt"
+    lines = write_corpus(corpus)
+    data = prepare_data(hf_config(tmp_path, corpus, max_docs=100))
+    docs = documents_in(data.train, data.tokenizer) + documents_in(data.eval_sets["val"], data.tokenizer)
+    assert sorted(docs) == sorted(lines[:100])
+
+
+def test_hf_missing_data_file_fails_fast_naming_it(tmp_path):
+    missing = tmp_path / "no" / "such.txt"
+    cfg = hf_config(tmp_path, missing)
+    with pytest.raises(DataConfigError, match="data.data_files: no such file: .*no/such.txt"):
+        check_data_config(cfg)
+    with pytest.raises(DataConfigError, match="such.txt"):
+        prepare_data(cfg)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_hf_missing_text_field_names_it_and_the_fields(tmp_path, hf_cache):
+    corpus = tmp_path / "corpus.txt"
+    write_corpus(corpus)
+    with pytest.raises(DataConfigError, match=r"data.text_field: no field 'content'.*fields: text"):
+        prepare_data(hf_config(tmp_path, corpus, text_field="content"))
+
+
+def test_relative_and_glob_data_files_resolve_from_the_working_directory(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "part1.txt")
+    monkeypatch.chdir(tmp_path)
+    check_data_config(hf_config(tmp_path, Path("part1.txt")))
+    check_data_config(DataConfig(name="hf", path="text", data_files=["part*.txt"]))
+    with pytest.raises(DataConfigError, match="part9.txt"):
+        check_data_config(DataConfig(name="hf", path="text", data_files=["part9.txt"]))
+
+
+def test_pretrained_tokenizer_from_a_local_dir(tmp_path, small_tokenizer, hf_cache):
+    small_tokenizer.save_pretrained(tmp_path / "pretrained")
+    corpus = tmp_path / "corpus.txt"
+    lines = write_corpus(corpus)
+    # vocab_size is ignored (and not checked) with a pretrained tokenizer.
+    data = prepare_data(hf_config(tmp_path, corpus, tokenizer=str(tmp_path / "pretrained"), vocab_size=0))
+    assert data.vocab_size == 512 and data.eos_id == small_tokenizer.eos_token_id
+    first = next(line for line in lines if not is_held_out(line, 0.1))
+    expected = small_tokenizer.encode(first) + [data.eos_id]
+    assert data.train[: len(expected)].tolist() == expected
+
+
+def test_pretrained_tokenizer_without_eos_is_rejected(tmp_path, small_tokenizer):
+    path = tmp_path / "tokenizer.json"
+    small_tokenizer.backend_tokenizer.save(str(path))
+    PreTrainedTokenizerFast(tokenizer_file=str(path)).save_pretrained(tmp_path / "no_eos")
+    with pytest.raises(ValueError, match="data.tokenizer: .*no EOS token"):
+        load_pretrained(str(tmp_path / "no_eos"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"name": "foo"}, "data.name: unknown source 'foo' (expected stdlib or hf)"),
+        ({"vocab_size": 100}, "data.vocab_size must be >= 512"),
+        ({"val_fraction": 0.0}, "data.val_fraction"),
+        ({"max_docs": 0}, "data.max_docs"),
+        ({"name": "hf"}, "data.path: required"),
+        ({"name": "hf", "path": "/nonexistent/dir"}, "data.path: no such file or directory: /nonexistent/dir"),
+        ({"tokenizer": "./no_such_tokenizer"}, "data.tokenizer: no such file or directory"),
+        ({"eval_sets": {"val": EvalSourceConfig()}}, "data.eval_sets.val:"),
+        ({"eval_sets": {"a/b": EvalSourceConfig()}}, "data.eval_sets.a/b:"),
+        ({"eval_sets": {"w": EvalSourceConfig(kind="wiki")}}, "data.eval_sets.w.kind: unknown kind 'wiki'"),
+        ({"eval_sets": {"w": EvalSourceConfig(kind="hf", path="text", data_files=["/nope/w.txt"])}},
+         "data.eval_sets.w.data_files: no such file: /nope/w.txt"),
+    ],
+)
+def test_check_data_config_names_the_key(overrides, message):
+    with pytest.raises(DataConfigError) as err:
+        check_data_config(DataConfig(**overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_default_config_passes_checks():
+    check_data_config(DataConfig())
+    # A hub dataset id is not checked against the local file system.
+    check_data_config(DataConfig(name="hf", path="HuggingFaceFW/fineweb-edu", data_files=["s/*.parquet"]))
+
+
+# ---- the full default corpus ----
+
+
+def test_full_stdlib_corpus(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="data")
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
+    start = time.perf_counter()
+    data = prepare_data(cfg, seq_len=256)
+    cold = time.perf_counter() - start
+    assert data.vocab_size == 8192 and data.train.dtype == np.uint16
+    assert len(data.train) > 5_000_000
+    assert len(data.eval_sets["val"]) > 10_000
+    assert len(data.eval_sets["ood_prose"]) > 50_000
+    # Code compresses: well under one token per 3 bytes of stdlib source.
+    assert len(data.train) < 31_000_000 / 3
+
+    assert cache_actions(caplog) == {
+        "tokenizer": "trained", "train": "built", "val": "built", "ood_prose": "built"
+    }
+    caplog.clear()
+    start = time.perf_counter()
+    warm = prepare_data(cfg, seq_len=256)
+    warm_seconds = time.perf_counter() - start
+    assert np.array_equal(warm.eval_sets["val"], data.eval_sets["val"])
+    assert set(cache_actions(caplog).values()) == {"reused"}
+    print(f"full stdlib: cold {cold:.1f}s, warm {warm_seconds:.2f}s")
+    assert warm_seconds < 5, f"warm start took {warm_seconds:.1f}s (cold {cold:.1f}s)"

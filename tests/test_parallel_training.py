@@ -1,0 +1,94 @@
+"""Whole training runs under DP x TP track the single-process run step by step."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, compose
+from tests.distributed import run_distributed
+from trainer.config import to_dataclass
+
+COMMON = [
+    "model=gpt_tiny", "optim=adamw", "trainer.precision=fp32", "trainer.max_steps=10",
+    "trainer.seq_len=64", "logger.interval=1", "eval.interval=0", "eval.batches=4",
+    "logger.wandb.mode=disabled", "logger.tensorboard=false", "logger.progress=none",
+    "optim.warmup_steps=3",
+]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_in_process(run_dir: Path, overrides: list[str]) -> list[dict]:
+    from trainer.loop import Trainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    Trainer(to_dataclass(compose(COMMON + overrides)), run_dir).train()
+    return read_metrics(run_dir)
+
+
+def _train_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> None:
+    from trainer.loop import Trainer
+    from trainer.mesh import build_mesh
+
+    cfg = to_dataclass(compose(COMMON + overrides))
+    Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp)).train()
+
+
+def losses(records: list[dict], key: str = "train/loss") -> list[float]:
+    return [r[key] for r in records if key in r]
+
+
+def assert_tracks(a: list[float], b: list[float], tol: float) -> None:
+    assert len(a) == len(b) == 10
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= tol * abs(y), f"step {step}: {x} vs {y}"
+
+
+@pytest.fixture(scope="module")
+def single_2b(tmp_path_factory) -> list[dict]:
+    return train_in_process(tmp_path_factory.mktemp("single"), ["trainer.batch_size=4"])
+
+
+def test_grad_accum_matches_a_larger_batch(tmp_path, single_2b):
+    accum = train_in_process(tmp_path, ["trainer.batch_size=2", "trainer.grad_accum=2"])
+    assert_tracks(losses(accum), losses(single_2b), 1e-4)
+    assert accum[-1]["tokens"] == single_2b[-1]["tokens"]
+
+
+def test_dp2_tp2_adamw_tracks_the_single_process_run(tmp_path, single_2b):
+    run_distributed(_train_worker, 4, str(tmp_path), ["trainer.batch_size=2", "parallel.tp=2"])
+    parallel = read_metrics(tmp_path)
+    assert_tracks(losses(parallel), losses(single_2b), 1e-4)
+    assert_tracks(losses(parallel, "optim/grad_norm"), losses(single_2b, "optim/grad_norm"), 1e-4)
+    # eval is sharded over DP and reduced: the same number
+    assert abs(parallel[-1]["val/val/loss"] - single_2b[-1]["val/val/loss"]) < 1e-4
+    # global throughput counts the global batch
+    assert parallel[-1]["tokens"] == single_2b[-1]["tokens"]
+    for key in ("model/weight_rms/head", "model/weight_rms/mlp_in", "optim/update_rms/embed"):
+        assert abs(parallel[-1][key] - single_2b[-1][key]) <= 1e-4 * abs(single_2b[-1][key]), key
+
+
+@pytest.mark.slow
+def test_torchrun_launch_matches_python_launch(tmp_path):
+    args = COMMON + ["trainer.batch_size=2", "trainer.max_steps=5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'one'}", *args],
+                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "train.py", f"hydra.run.dir={tmp_path / 'tp2'}", "parallel.tp=2", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = losses(read_metrics(tmp_path / "tp2")), losses(read_metrics(tmp_path / "one"))
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(y)

@@ -1,0 +1,97 @@
+"""End to end: train.py on the embedded corpus writes the contract's outputs, loss falls."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def train(run_dir: Path, *overrides: str) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "logger.wandb.mode=disabled", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def adamw_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("adamw")
+    records = train(
+        run_dir, "model=gpt_tiny", "optim=adamw", "trainer.max_steps=20", "trainer.batch_size=8",
+        "trainer.seq_len=128", "eval.interval=10", "eval.batches=2", "logger.interval=5",
+        "optim.warmup_steps=5", "trainer.precision=fp32",
+    )
+    return run_dir, records
+
+
+def test_twenty_step_run_loss_falls_and_metrics_are_logged(adamw_run):
+    run_dir, records = adamw_run
+    train_losses = [r["train/loss"] for r in records if "train/loss" in r]
+    assert [r["step"] for r in records if "train/loss" in r] == [5, 10, 15, 20]
+    assert train_losses[-1] < train_losses[0] - 0.5, train_losses
+    last = records[-1]
+    for key in ("val/val/loss", "val/ood_prose/loss", "perf/tokens_per_s", "perf/step_s", "optim/lr"):
+        assert key in last, key
+    assert last["tokens"] == 20 * 8 * 128
+    assert last["perf/tokens_per_s"] > 0
+    # val loss was logged twice (step 10 and the end) and improved
+    val = [r["val/val/loss"] for r in records if "val/val/loss" in r]
+    assert len(val) == 2 and val[1] < val[0]
+    # OOD prose is a different distribution from Python code: its loss is higher
+    assert last["val/ood_prose/loss"] > last["val/val/loss"]
+
+
+def test_tensorboard_gets_the_same_metric_names(adamw_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, records = adamw_run
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    logged = {k for r in records for k in r if k not in ("step", "tokens")}
+    assert logged <= tags
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [5, 10, 15, 20]
+
+
+def test_composed_config_is_saved_by_hydra(adamw_run):
+    import yaml
+
+    run_dir, _ = adamw_run
+    saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert saved["optim"]["name"] == "adamw"
+    assert saved["trainer"]["max_steps"] == 20
+    assert "optim=adamw" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_muon_run_logs_every_health_metric_with_sane_values(tmp_path):
+    records = train(
+        tmp_path, "model=gpt_tiny", "optim=muon", "trainer.max_steps=12", "trainer.batch_size=8",
+        "trainer.seq_len=128", "eval.interval=0", "eval.batches=2", "logger.interval=6",
+        "optim.warmup_steps=2", "trainer.precision=fp32", "optim.muon.ns_dtype=fp32",
+    )
+    last = records[-1]
+    kinds = ["attn_q", "attn_k", "attn_v", "attn_o", "mlp_in", "mlp_out", "embed", "head", "norm"]
+    for kind in kinds:
+        assert last[f"model/weight_rms/{kind}"] > 0
+        assert f"optim/update_rms/{kind}" in last
+    # Muon with match_rms_adamw: applied update RMS / lr near 0.2 on the hidden matrices
+    # (a little under: NS leaves singular values of low-rank directions below 1).
+    for kind in ["attn_q", "attn_k", "attn_v", "mlp_in", "mlp_out"]:
+        assert 0.1 < last[f"optim/update_rms/{kind}"] < 0.26, (kind, last[f"optim/update_rms/{kind}"])
+    assert 0.9 < last["model/weight_rms/norm"] < 1.1  # gammas start at 1 and move slowly
+    for i in range(2):
+        assert 0 < last[f"model/output_rms/layer_{i}"] < 10
+        assert 0 < abs(last[f"attn/max_logit/layer_{i}"]) < 50
+    assert 0.5 < last["model/output_rms/final"] < 2  # RMSNorm output with gammas near 1
+    assert last["optim/grad_norm"] > 0
+    assert last["perf/optim_step_s"] > 0
+    # Muon keeps one momentum buffer per matrix, AdamW two moments (+ step) per tensor.
+    assert last["mem/optim_state_bytes"] > 0
