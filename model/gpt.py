@@ -25,11 +25,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalise(x, self.weight)
+
+    def normalise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much
         # precision in bf16 for wide models.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        return (normed * weight.float()).type_as(x)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,34 +63,30 @@ class RowParallelLinear(nn.Module):
         return reduce_from_tp(F.linear(x, self.weight), self.group)
 
 
-class TPInputNorm(RMSNorm):
-    """A replicated RMSNorm whose output feeds column-parallel layers: `copy_to_tp` sums the
-    output's gradient over TP ranks, so gamma's gradient is identical on every rank."""
+class _ReplicatedNorm(RMSNorm):
+    """An RMSNorm copied from the full model, the same on every TP rank."""
 
     def __init__(self, full: RMSNorm, group: Group) -> None:
         super().__init__(full.weight.shape[0], full.eps)
         self.weight = nn.Parameter(full.weight.detach().clone())
         self.weight.tp_split_dim = None
         self.group = group
+
+
+class TPInputNorm(_ReplicatedNorm):
+    """A norm whose output feeds column-parallel layers: `copy_to_tp` sums the output's
+    gradient over TP ranks, so gamma's gradient is identical on every rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(super().forward(x), self.group)
 
 
-class TPHeadNorm(RMSNorm):
+class TPHeadNorm(_ReplicatedNorm):
     """QK-norm over head_dim: one gamma shared by all heads while each rank sees only its own
     heads, so gamma's gradient is summed over TP ranks (copy_to_tp on the weight)."""
 
-    def __init__(self, full: RMSNorm, group: Group) -> None:
-        super().__init__(full.weight.shape[0], full.eps)
-        self.weight = nn.Parameter(full.weight.detach().clone())
-        self.weight.tp_split_dim = None
-        self.group = group
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * copy_to_tp(self.weight, self.group).float()).type_as(x)
+        return self.normalise(x, copy_to_tp(self.weight, self.group))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -95,3 +95,14 @@ def test_muon_run_logs_every_health_metric_with_sane_values(tmp_path):
     assert last["perf/optim_step_s"] > 0
     # Muon keeps one momentum buffer per matrix, AdamW two moments (+ step) per tensor.
     assert last["mem/optim_state_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(tmp_path):
+    common = ["model=gpt_tiny", "optim=adamw", "trainer.max_steps=4", "trainer.batch_size=4",
+              "trainer.seq_len=64", "eval.interval=0", "eval.batches=1", "logger.interval=1",
+              "trainer.precision=fp32", "logger.tensorboard=false"]
+    eager = train(tmp_path / "eager", *common)
+    compiled = train(tmp_path / "compiled", *common, "trainer.compile=true")
+    for a, b in zip(eager, compiled):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-4 * a["train/loss"]

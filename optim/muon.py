@@ -1,0 +1,279 @@
+"""Muon: momentum, then orthogonalise each weight matrix's update with Newton-Schulz.
+
+Per matrix W with gradient G (Keller Jordan 2024; Liu et al. 2025 for the AdamW-matched scale):
+
+    M = momentum * M + G
+    O = NS(G + momentum * M)          (NS(M) without Nesterov)
+    W = W - lr * weight_decay * W     (decoupled, with the group lr as given)
+    W = W - lr * scale(rows, cols) * O
+
+Parameters are 2-D [out, in] or 3-D [E, out, in] (E independent expert matrices). A group
+may set `split_rows=h`: each block of h rows of a [R, C] matrix (one attention head) is then
+orthogonalised on its own and scaled with (h, C).
+
+Batching: in one step() every matrix with the same oriented shape (min side, max side),
+dtype, device and Newton-Schulz settings is stacked, across parameters and param groups,
+into one [N, m, n] tensor and orthogonalised by a single batched newton_schulz call. Tall
+matrices enter the stack transposed; Newton-Schulz of a tall matrix is defined as the
+transpose of Newton-Schulz of its transpose, so this equals per-matrix processing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from optim.newton_schulz import (
+    ADJUST_LR_MODES,
+    COEFFICIENTS,
+    momentum_update,
+    muon_scale,
+    newton_schulz,
+)
+
+NS_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def parse_ns_dtype(value: Any) -> torch.dtype:
+    """torch.bfloat16 / torch.float32 / torch.float64, or one of the NS_DTYPES names."""
+    if isinstance(value, torch.dtype) and value in NS_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in NS_DTYPES:
+        return NS_DTYPES[value.lower()]
+    raise ValueError(
+        f"optim.muon.ns_dtype must be bf16 or fp32 (or fp64, or the torch dtype), got {value!r}"
+    )
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """Raises ValueError naming the config key of the first bad option; canonicalises ns_dtype."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        raise ValueError("optim.muon.lr (optim.lr) must be a Python float, not a tensor")
+    if not _is_number(lr) or lr < 0:
+        raise ValueError(f"optim.muon.lr (optim.lr) must be a finite number >= 0, got {lr!r}")
+    wd = group["weight_decay"]
+    if not _is_number(wd) or wd < 0:
+        raise ValueError(
+            f"optim.muon.weight_decay (optim.weight_decay) must be a finite number >= 0, got {wd!r}"
+        )
+    mu = group["momentum"]
+    if not _is_number(mu) or not 0.0 <= mu < 1.0:
+        raise ValueError(f"optim.muon.momentum must be in [0, 1), got {mu!r}")
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"optim.muon.nesterov must be a bool, got {group['nesterov']!r}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
+        raise ValueError(f"optim.muon.ns_steps must be an int in [1, 100], got {steps!r}")
+    if group["coefficients"] not in COEFFICIENTS:
+        raise ValueError(
+            f"optim.muon.coefficients: unknown coefficient set {group['coefficients']!r} "
+            f"(expected classic or polar_express)"
+        )
+    group["ns_dtype"] = parse_ns_dtype(group["ns_dtype"])
+    if group["adjust_lr"] not in ADJUST_LR_MODES:
+        raise ValueError(
+            f"optim.muon.adjust_lr: unknown mode {group['adjust_lr']!r} "
+            f"(expected one of {', '.join(ADJUST_LR_MODES)})"
+        )
+    eps = group["eps"]
+    if not _is_number(eps) or eps <= 0:
+        raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps!r}")
+    h = group["split_rows"]
+    if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
+        raise ValueError(f"optim.muon.split_rows must be None or an int >= 1, got {h!r}")
+    for p in group["params"]:
+        _matrix_layout(p.shape, h)  # raises on unsupported shapes
+        if p.is_sparse:
+            raise ValueError("optim.muon: sparse parameters are not supported")
+
+
+def _matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
+    """(k, rows, cols): the parameter seen as k independent rows x cols matrices."""
+    if len(shape) not in (2, 3):
+        raise ValueError(
+            f"optim.muon: Muon takes 2-D [out, in] or 3-D [experts, out, in] parameters, "
+            f"got shape {list(shape)}; route it to AdamW"
+        )
+    k = shape[0] if len(shape) == 3 else 1
+    rows, cols = shape[-2], shape[-1]
+    if split_rows is not None and split_rows != rows:
+        if rows % split_rows:
+            raise ValueError(
+                f"optim.muon.split_rows={split_rows} does not divide the {rows} rows of a "
+                f"parameter of shape {list(shape)}"
+            )
+        k, rows = k * (rows // split_rows), split_rows
+    return k, rows, cols
+
+
+def _as_matrices(t: Tensor, k: int, rows: int, cols: int) -> Tensor:
+    """t as [k, rows, cols] for reading: a view when t's strides allow it, else a copy."""
+    return t.reshape(k, rows, cols)
+
+
+@dataclass
+class _Item:
+    """One parameter's contribution to a stack: matrices [offset, offset + k) of the stack."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    group: dict[str, Any]
+    k: int
+    rows: int
+    cols: int
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D and 3-D (expert-stacked) weight matrices; see the module docstring.
+
+    Args:
+        params: tensors or param groups. A group may also set any option below and
+            `split_rows` (int or None; per-head orthogonalisation of [R, C] matrices).
+        lr: learning rate; weight decay uses it unadjusted, the update uses lr * scale.
+        weight_decay: decoupled weight decay.
+        momentum, nesterov: M = momentum * M + G; NS input G + momentum * M if nesterov else M.
+        ns_steps: Newton-Schulz iterations.
+        coefficients: "classic" or "polar_express".
+        ns_dtype: Newton-Schulz compute dtype: torch.bfloat16 / torch.float32 or "bf16" / "fp32".
+        adjust_lr: "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral" (sqrt(max(1, A/B)))
+            or "none", for the A x B matrix actually orthogonalised.
+        eps: added to the Frobenius norm before normalising.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        coefficients: str = "classic",
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        adjust_lr: str = "match_rms_adamw",
+        eps: float = 1e-7,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            coefficients=coefficients,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
+            eps=eps,
+            split_rows=None,
+        )
+        # Fail on the defaults themselves even when every group overrides them.
+        _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _validate_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # Stack key: everything the Newton-Schulz result depends on besides the data.
+        stacks: dict[tuple, list[_Item]] = {}
+        for group in self.param_groups:
+            ns_key = (group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("optim.muon: sparse gradients are not supported")
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["momentum_buffer"] = buf
+                elif not buf.is_contiguous():  # e.g. loaded from a checkpoint; updated in place
+                    buf = state["momentum_buffer"] = buf.contiguous()
+                k, rows, cols = _matrix_layout(p.shape, group["split_rows"])
+                key = (min(rows, cols), max(rows, cols), p.dtype, p.device, *ns_key)
+                stacks.setdefault(key, []).append(
+                    _Item(p, p.grad, buf, group, k, rows, cols)
+                )
+
+        for (m, n, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
+            self._step_stack(items, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+        return loss
+
+    @staticmethod
+    def _step_stack(
+        items: list[_Item],
+        m: int,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        steps: int,
+        coefficients: str,
+        ns_dtype: torch.dtype,
+        eps: float,
+    ) -> None:
+        """Momentum into one [N, m, n] stack, one batched Newton-Schulz, per-parameter updates."""
+        total = sum(it.k for it in items)
+        stack = torch.empty(total, m, n, dtype=dtype, device=device)
+        offset = 0
+        for it in items:
+            dst = stack[offset : offset + it.k]
+            if it.rows > it.cols:
+                dst = dst.mT  # tall matrices are stored transposed, i.e. wide
+            momentum_update(
+                _as_matrices(it.buf, it.k, it.rows, it.cols),
+                _as_matrices(it.grad, it.k, it.rows, it.cols),
+                it.group["momentum"],
+                it.group["nesterov"],
+                out=dst,
+            )
+            offset += it.k
+        # Keep the result in ns_dtype: the update below reads it once, casting on the fly.
+        ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+
+        offset = 0
+        for it in items:
+            upd = ortho[offset : offset + it.k]
+            if it.rows > it.cols:
+                upd = upd.mT
+            offset += it.k
+            lr, wd = it.group["lr"], it.group["weight_decay"]
+            scale = muon_scale(it.rows, it.cols, it.group["adjust_lr"])
+            _apply_update(it.param, upd, it.k, it.rows, it.cols, lr, wd, -lr * scale)
+
+
+def _apply_update(
+    p: Tensor, upd: Tensor, k: int, rows: int, cols: int, lr: float, wd: float, alpha: float
+) -> None:
+    """p <- p * (1 - lr * wd) + alpha * upd, with upd shaped [k, rows, cols]."""
+    try:
+        target = p.view(k, rows, cols)
+    except RuntimeError:  # strides that cannot be regrouped: work on a copy, write it back
+        target = p.reshape(k, rows, cols).clone()
+    if wd != 0:
+        target.mul_(1.0 - lr * wd)
+    target.add_(upd, alpha=alpha)
+    if target.data_ptr() != p.data_ptr():
+        p.copy_(target.view(p.shape))

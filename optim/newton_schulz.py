@@ -1,0 +1,160 @@
+"""Pure building blocks of Muon: momentum, Newton-Schulz orthogonalisation, update scale.
+
+Everything here is a stateless function of tensors, so a distributed Muon can reuse it on
+whatever shard of matrices a rank owns. All functions are device-agnostic.
+
+Newton-Schulz (quintic) approximates the polar factor U V^T of G = U S V^T:
+
+    X = G / (||G||_F * safety + eps)            # singular values now in (0, 1]
+    repeat: A = X X^T;  B = b A + c A A;  X = a X + B X
+
+Each step applies the odd polynomial p(s) = a s + b s^3 + c s^5 to every singular value.
+The matrices are oriented "wide" (rows <= cols) so that the Gram matrix A is the small side.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+Coefficient = tuple[float, float, float]
+
+COEFFICIENTS: dict[str, list[Coefficient]] = {
+    # Keller Jordan's quintic: the same polynomial every step. It does not converge to 1;
+    # after 5 steps the singular values sit roughly in [0.68, 1.13].
+    "classic": [(3.4445, -4.7750, 2.0315)],
+    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one optimal
+    # polynomial per step, computed for 5 iterations with safety factor 2e-2 and cushion 2,
+    # the safety factor already folded into the numbers. Numbers as published in
+    # KellerJordan/modded-nanogpt train_gpt.py and microsoft/dion benchmark/polar_express.py.
+    # They assume X is normalised by ||X||_F * (1 + 2e-2), see NORM_SAFETY.
+    "polar_express": [
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ],
+}
+
+# Multiplier on ||G||_F in the normalisation, per coefficient set.
+NORM_SAFETY: dict[str, float] = {"classic": 1.0, "polar_express": 1.02}
+
+ADJUST_LR_MODES = ("match_rms_adamw", "spectral", "none")
+
+
+def coefficients_for(name: str, steps: int) -> list[Coefficient]:
+    """The (a, b, c) of each of `steps` iterations; past the end of a list its last entry repeats."""
+    if name not in COEFFICIENTS:
+        raise ValueError(
+            f"optim.muon.coefficients: unknown coefficient set {name!r} "
+            f"(expected classic or polar_express)"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"optim.muon.ns_steps must be an int >= 1, got {steps!r}")
+    table = COEFFICIENTS[name]
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def muon_scale(rows: int, cols: int, adjust_lr: str) -> float:
+    """Multiplier on lr for the orthogonalised update of a rows x cols matrix.
+
+    "match_rms_adamw": 0.2 * sqrt(max(rows, cols)) gives the update an RMS of about 0.2, like
+    AdamW's, so Muon can share AdamW's lr and weight decay (Moonlight, Liu et al. 2025).
+    "spectral": sqrt(max(1, rows / cols)) (Keller Jordan's original scaling).
+    "none": 1.
+    """
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr == "spectral":
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr == "none":
+        return 1.0
+    raise ValueError(
+        f"optim.muon.adjust_lr: unknown mode {adjust_lr!r} "
+        f"(expected one of {', '.join(ADJUST_LR_MODES)})"
+    )
+
+
+def momentum_update(
+    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None = None
+) -> Tensor:
+    """buf <- momentum * buf + grad (in place); returns the Newton-Schulz input.
+
+    Nesterov: grad + momentum * buf (with the updated buf); otherwise buf itself. When `out`
+    is given (any tensor of grad's shape, a strided view into a stack included), the input is
+    written there, cast to out's dtype, and `out` is returned; buf is never aliased by it.
+    """
+    torch.add(grad, buf, alpha=momentum, out=buf)  # one pass: buf = grad + momentum * buf
+    if nesterov:
+        if out is None:
+            return torch.add(grad, buf, alpha=momentum)
+        return torch.add(grad, buf, alpha=momentum, out=out)
+    if out is None:
+        return buf
+    return out.copy_(buf)
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: str = "classic",
+    dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
+
+    Each matrix is normalised by its own Frobenius norm, tall matrices are handled through
+    their transpose (so A = X X^T is min(rows, cols) square), and the iterations run in
+    `dtype`. Returns G's shape in `out_dtype` (default: G's dtype). G is not modified.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a [..., rows, cols] tensor, got shape {list(G.shape)}")
+    coeffs = coefficients_for(coefficients, steps)
+    out_dtype = G.dtype if out_dtype is None else out_dtype
+    rows, cols = G.shape[-2:]
+    tall = rows > cols
+    m, n = (cols, rows) if tall else (rows, cols)
+    lead = G.shape[:-2]
+    batch = math.prod(lead)
+    if G.numel() == 0:
+        return torch.zeros(G.shape, dtype=out_dtype, device=G.device)
+
+    Gw = (G.mT if tall else G).reshape(batch, m, n)  # a view unless G is oddly strided
+    X = _normalise(Gw, NORM_SAFETY[coefficients], dtype, eps)
+    X = _iterate(X, coeffs)
+    X = X.view(*lead, m, n)
+    if tall:
+        X = X.mT
+    return X.to(out_dtype)
+
+
+def _normalise(G: Tensor, safety: float, dtype: torch.dtype, eps: float) -> Tensor:
+    """G[i] / (||G[i]||_F * safety + eps) as a fresh contiguous [B, m, n] tensor in `dtype`."""
+    acc = torch.float64 if G.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=acc)
+    denom = norm.mul_(safety).add_(eps) if safety != 1.0 else norm.add_(eps)
+    X = torch.empty(G.shape, dtype=dtype, device=G.device)
+    # Division in the accumulation dtype, rounded once into `dtype`.
+    return torch.div(G, denom, out=X)
+
+
+def _iterate(X: Tensor, coeffs: Sequence[Coefficient]) -> Tensor:
+    """Runs the quintic iteration on a contiguous wide batch X [B, m, n]; returns the result.
+
+    Three fused batched GEMMs per step, all writing into buffers allocated once:
+    A = X X^T; B = b A + c A A (one baddbmm); X' = a X + B X (one baddbmm).
+    """
+    bsz, m, _ = X.shape
+    A = X.new_empty(bsz, m, m)
+    B = torch.empty_like(A)
+    Y = torch.empty_like(X)
+    for a, b, c in coeffs:
+        torch.bmm(X, X.mT, out=A)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, X
+    return X

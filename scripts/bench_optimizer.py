@@ -1,0 +1,299 @@
+"""Benchmark optim.muon.Muon against torch.optim.Muon on the hidden matrices of gpt_small.
+
+    .venv/bin/python scripts/bench_optimizer.py [--repeats 15] [--warmup 3] [--threads N]
+
+gpt_small: 6 layers, d_model 384, 6 heads of 64, 6 KV heads, ffn_hidden 1024; per layer
+wq, wk, wv, wo [384, 384], w_gate, w_up [1024, 384], w_down [384, 1024] (42 matrices).
+
+Measured in one run, all timings interleaved (every repeat steps each contender once, in
+turn, so background load hits them alike) and reported as medians:
+  * optimizer step time, ours vs torch.optim.Muon, with Newton-Schulz in bf16 and in fp32.
+    torch.optim.Muon always runs its iteration in bf16 (it calls grad.bfloat16()); its fp32
+    row runs torch's own code with that one cast made an fp32 copy instead (see _Fp32Instead).
+  * optimizer state bytes, Muon vs torch.optim.AdamW on the same matrices.
+  * Newton-Schulz GFLOP/s against the matmul peak of this machine, measured on a large
+    square matmul in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.optim._muon as torch_muon_module  # noqa: E402
+
+from optim.muon import Muon  # noqa: E402
+from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
+
+GPT_SMALL = dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024)
+LR, WD = 3e-3, 0.1
+
+
+def gpt_small_shapes() -> list[tuple[str, tuple[int, int]]]:
+    c = GPT_SMALL
+    d, kv = c["d_model"], c["n_kv_heads"] * c["head_dim"]
+    per_layer = [
+        ("wq", (c["n_heads"] * c["head_dim"], d)),
+        ("wk", (kv, d)),
+        ("wv", (kv, d)),
+        ("wo", (d, c["n_heads"] * c["head_dim"])),
+        ("w_gate", (c["ffn_hidden"], d)),
+        ("w_up", (c["ffn_hidden"], d)),
+        ("w_down", (d, c["ffn_hidden"])),
+    ]
+    return [(f"layers.{i}.{n}", s) for i in range(c["n_layers"]) for n, s in per_layer]
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, str]:
+    model, flags = "unknown", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": model,
+        "cpu flags (matmul)": " ".join(isa) or "-",
+        "logical cpus": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn (oneDNN)": str(torch.backends.mkldnn.is_available()),
+    }
+    if torch.cuda.is_available():
+        info["cuda device"] = torch.cuda.get_device_name()
+    with contextlib.suppress(OSError):
+        info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return info
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
+) -> dict[str, float]:
+    """Median seconds per call of each fn; each repeat calls every fn once, in turn."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+class _Fp32Instead(torch.Tensor):
+    """torch.optim.Muon's Newton-Schulz starts with grad.bfloat16(); on this subclass that one
+    call returns a plain fp32 copy, so the rest of torch's own code runs in fp32."""
+
+    def bfloat16(self, memory_format=torch.preserve_format):  # noqa: ARG002
+        return self.as_subclass(torch.Tensor).clone()
+
+
+_torch_ns = torch_muon_module._zeropower_via_newtonschulz
+
+
+def _torch_ns_fp32(grad, *args, **kwargs):
+    return _torch_ns(grad.as_subclass(_Fp32Instead), *args, **kwargs)
+
+
+class TorchMuonFp32(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz in fp32 (patched only during step)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        torch_muon_module._zeropower_via_newtonschulz = _torch_ns_fp32
+        try:
+            return super().step(closure)
+        finally:
+            torch_muon_module._zeropower_via_newtonschulz = _torch_ns
+
+
+class PerMatrix:
+    """Our Muon, one optimizer per matrix: the same math without cross-matrix batching."""
+
+    def __init__(self, params, **kw):
+        self.opts = [Muon([p], **kw) for p in params]
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
+def make_params(shapes, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device)) for _, s in shapes]
+    grads = [(torch.randn(s, generator=g) * 1e-3).to(device) for _, s in shapes]
+    for p, gr in zip(params, grads):
+        p.grad = gr
+    return params
+
+
+def state_bytes(opt: torch.optim.Optimizer, min_numel: int = 0) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.numel() > min_numel
+    )
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def ns_flops(m: int, n: int, steps: int) -> int:
+    """FLOPs of `steps` quintic iterations on one wide m x n matrix (m <= n).
+
+    Per step: X X^T 2m^2n, A A 2m^3 (+2m^2 for b*A + c*(.)), B X 2m^2n (+2mn for a*X + (.)).
+    Plus the normalisation: norm 2mn, division mn.
+    """
+    per_step = 2 * m * m * n + 2 * m**3 + 2 * m * m + 2 * m * m * n + 2 * m * n
+    return steps * per_step + 3 * m * n
+
+
+def oriented_stacks(shapes) -> dict[tuple[int, int], int]:
+    """{(m, n): count} of the wide (min side, max side) shapes Newton-Schulz works on."""
+    out: dict[tuple[int, int], int] = {}
+    for _, (r, c) in shapes:
+        key = (min(r, c), max(r, c))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def matmul_peak(dtype, device, n, warmup, repeats) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = interleaved_medians({"mm": lambda: a @ b}, warmup, repeats, device)["mm"]
+    return 2 * n**3 / t / 1e9
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--peak-size", type=int, default=2048, help="side of the peak matmul")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    shapes = gpt_small_shapes()
+    steps = 5
+
+    print("## Machine\n")
+    for k, v in machine_info().items():
+        print(f"- {k}: {v}")
+    n_params = sum(r * c for _, (r, c) in shapes)
+    print(f"\ngpt_small Muon matrices: {len(shapes)} ({n_params / 1e6:.2f}M parameters), "
+          f"oriented stacks {oriented_stacks(shapes)}; lr {LR}, weight decay {WD}, "
+          f"momentum 0.95 Nesterov, {steps} classic Newton-Schulz steps, adjust_lr match_rms_adamw.")
+    print(f"Timings: {args.warmup} warmup + {args.repeats} interleaved repeats, median.\n")
+
+    # --- step time ---------------------------------------------------------------------
+    contenders: dict[str, Callable[[], object]] = {}
+    kw_ours = dict(lr=LR, weight_decay=WD, momentum=0.95, nesterov=True, ns_steps=steps,
+                   coefficients="classic", adjust_lr="match_rms_adamw", eps=1e-7)
+    kw_torch = dict(lr=LR, weight_decay=WD, momentum=0.95, nesterov=True, ns_steps=steps,
+                    eps=1e-7, adjust_lr_fn="match_rms_adamw")
+    for label, ns in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        contenders[f"ours {label}"] = Muon(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
+        contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
+        torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
+        contenders[f"torch {label}"] = torch_cls(make_params(shapes, device), **kw_torch).step
+    t = interleaved_medians(contenders, args.warmup, args.repeats, device)
+
+    print("## Optimizer step (42 matrices)\n")
+    print("| NS dtype | torch.optim.Muon ms | ours ms | ours / torch | ours per-matrix ms | batching gain |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label in ("bf16", "fp32"):
+        tt, to, tp = t[f"torch {label}"], t[f"ours {label}"], t[f"ours {label} per-matrix"]
+        print(f"| {label} | {tt * 1e3:.1f} | {to * 1e3:.1f} | {to / tt:.3f} | {tp * 1e3:.1f} | {tp / to:.3f}x |")
+
+    # --- state bytes ---------------------------------------------------------------------
+    muon_p, adamw_p = make_params(shapes, device), make_params(shapes, device)
+    muon = Muon(muon_p, **kw_ours)
+    adamw = torch.optim.AdamW(adamw_p, lr=LR, weight_decay=WD)
+    muon.step()
+    adamw.step()
+    mb, ab = state_bytes(muon), state_bytes(adamw)
+    ab_moments = state_bytes(adamw, min_numel=1)  # exp_avg + exp_avg_sq, without step counters
+    print("\n## Optimizer state\n")
+    print("| optimizer | state bytes | per parameter | Muon / this |")
+    print("|---|---:|---:|---:|")
+    print(f"| Muon (momentum buffer) | {mb:,} | {mb / n_params:.2f} | 1 |")
+    print(f"| AdamW (exp_avg, exp_avg_sq, step) | {ab:,} | {ab / n_params:.2f} | {mb / ab:.6f} |")
+    print(f"| AdamW moments only | {ab_moments:,} | {ab_moments / n_params:.2f} | {mb / ab_moments:.6f} |")
+    print(f"\n(AdamW's per-parameter `step` counters are {ab - ab_moments} bytes of 0-d tensors.)")
+
+    # --- Newton-Schulz throughput ----------------------------------------------------------
+    print("\n## Newton-Schulz throughput (all 42 gpt_small matrices)\n")
+    stacks = oriented_stacks(shapes)
+    flops = sum(cnt * ns_flops(m, n, steps) for (m, n), cnt in stacks.items())
+    g = torch.Generator().manual_seed(1)
+    batches = {mn: torch.randn(cnt, *mn, generator=g).to(device) for mn, cnt in stacks.items()}
+    singles = [(torch.randn(r, c, generator=g) * 1e-3).to(device) for _, (r, c) in shapes]
+    coeffs = coefficients_for("classic", steps)[0]
+
+    def ours(dtype):
+        return lambda: [newton_schulz(b, steps, "classic", dtype, out_dtype=dtype) for b in batches.values()]
+
+    def theirs(fn):
+        return lambda: [fn(x, coeffs, steps, 1e-7) for x in singles]
+
+    fns = {
+        "ours bf16": ours(torch.bfloat16),
+        "torch bf16": theirs(_torch_ns),
+        "ours fp32": ours(torch.float32),
+        "torch fp32": theirs(_torch_ns_fp32),
+    }
+    tn = interleaved_medians(fns, args.warmup, args.repeats, device)
+    peak = {
+        "bf16": matmul_peak(torch.bfloat16, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
+        "fp32": matmul_peak(torch.float32, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
+    }
+    print(f"FLOPs per optimizer step: {flops / 1e9:.2f} GFLOP "
+          f"(per step and m x n wide matrix: 4m^2n + 2m^3 + elementwise; {steps} steps)\n")
+    print(f"| NS dtype | matmul peak GFLOP/s ({args.peak_size}^2) | impl | NS ms | NS GFLOP/s | % of peak |")
+    print("|---|---:|---|---:|---:|---:|")
+    for label in ("bf16", "fp32"):
+        for impl in ("ours", "torch"):
+            secs = tn[f"{impl} {label}"]
+            gf = flops / secs / 1e9
+            print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {100 * gf / peak[label]:.0f}% |")
+    with contextlib.suppress(OSError):
+        print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""optim.muon.Muon against torch.optim.Muon and against itself, one matrix at a time."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon_module
+
+from optim.muon import Muon
+
+SHAPES_2D = [(64, 32), (32, 64), (48, 48), (96, 40)]
+
+
+class _Fp32Instead(torch.Tensor):
+    """torch.optim.Muon hard-codes grad.bfloat16() in its Newton-Schulz. Handing it this
+    subclass makes that one call return a plain fp32 copy, so torch's own iteration code runs
+    in fp32 and can be compared with ours at fp32 precision."""
+
+    def bfloat16(self, memory_format=torch.preserve_format):  # noqa: ARG002
+        return self.as_subclass(torch.Tensor).clone()
+
+
+@pytest.fixture
+def torch_muon_fp32(monkeypatch):
+    original = torch_muon_module._zeropower_via_newtonschulz
+
+    def fp32_ns(grad, *args, **kwargs):
+        out = original(grad.as_subclass(_Fp32Instead), *args, **kwargs)
+        assert out.dtype == torch.float32 and type(out) is torch.Tensor
+        return out
+
+    monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", fp32_ns)
+
+
+def _params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.05) for s in shapes]
+
+
+def _grads(params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in params] for _ in range(steps)]
+
+
+def _run(opt, params, grads):
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.clone()
+        opt.step()
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr, torch_fn", [("match_rms_adamw", "match_rms_adamw"), ("spectral", "original")])
+def test_matches_torch_muon_fp32(torch_muon_fp32, adjust_lr, torch_fn, nesterov):
+    ours, theirs = _params(SHAPES_2D), _params(SHAPES_2D)
+    start = [p.detach().clone() for p in ours]
+    grads = _grads(ours, steps=5)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, ns_steps=5, eps=1e-7)
+    _run(Muon(ours, ns_dtype="fp32", adjust_lr=adjust_lr, **kw), ours, grads)
+    _run(torch.optim.Muon(theirs, adjust_lr_fn=torch_fn, **kw), theirs, grads)
+    for a, b, w0 in zip(ours, theirs, start):
+        # Compare the accumulated change W_5 - W_0 (comparing W would hide errors behind W_0).
+        # torch keeps M as an EMA ((1 - mu) times ours) and normalises by max(||G||, eps)
+        # instead of ||G|| + eps; both vanish in the normalisation up to ~1e-7 relative.
+        assert _rel(a.detach() - w0, b.detach() - w0) < 1e-5
+
+
+def test_matches_torch_muon_bf16_loosely():
+    """Unpatched torch.optim.Muon (bf16 Newton-Schulz) vs ours in bf16: same algorithm, but
+    bf16 rounding (8-bit mantissa) differs between the two op orders, ~1% of the update."""
+    ours, theirs = _params(SHAPES_2D), _params(SHAPES_2D)
+    start = [p.detach().clone() for p in ours]
+    grads = _grads(ours, steps=3)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+    _run(Muon(ours, ns_dtype=torch.bfloat16, **kw), ours, grads)
+    _run(torch.optim.Muon(theirs, adjust_lr_fn="match_rms_adamw", **kw), theirs, grads)
+    for a, b, w0 in zip(ours, theirs, start):
+        assert _rel(a.detach() - w0, b.detach() - w0) < 3e-2
+
+
+@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
+def test_batched_step_equals_per_parameter_optimizers(ns_dtype):
+    # Three [48, 80] and two tall [80, 48] matrices land in one stack of five.
+    shapes = [(48, 80), (80, 48), (48, 80), (80, 48), (48, 80), (32, 32)]
+    together, alone = _params(shapes), _params(shapes)
+    grads = _grads(together, steps=3)
+    kw = dict(lr=0.01, weight_decay=0.05, ns_dtype=ns_dtype, coefficients="polar_express")
+    _run(Muon(together, **kw), together, grads)
+    for i, p in enumerate(alone):
+        _run(Muon([p], **kw), [p], [[g[i]] for g in grads])
+    for a, b in zip(together, alone):
+        # Bitwise equal on CPU here; GEMM blocking may depend on the batch size elsewhere,
+        # and in bf16 that can flip a rounding (updates are ~2e-2, bf16 ulp there ~1e-4).
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7 if ns_dtype == "fp32" else 2e-4)
+
+
+def test_three_dim_expert_param_equals_per_expert_muon():
+    experts = _params([(4, 40, 24)])[0]
+    singles = [torch.nn.Parameter(experts.detach()[e].clone()) for e in range(4)]
+    grads = _grads([experts], steps=3)
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype="fp32", adjust_lr="spectral")
+    _run(Muon([experts], **kw), [experts], grads)
+    for e, p in enumerate(singles):
+        _run(Muon([p], **kw), [p], [[g[0][e]] for g in grads])
+        torch.testing.assert_close(experts.detach()[e], p.detach(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "spectral"])
+def test_split_rows_equals_per_head_muon(adjust_lr):
+    heads, h = 6, 16
+    w = _params([(heads * h, 40)])[0]
+    per_head = [torch.nn.Parameter(w.detach()[i * h : (i + 1) * h].clone()) for i in range(heads)]
+    grads = _grads([w], steps=3)
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype="fp32", adjust_lr=adjust_lr)
+    _run(Muon([{"params": [w], "split_rows": h}], **kw), [w], grads)
+    for i, p in enumerate(per_head):
+        _run(Muon([p], **kw), [p], [[g[0][i * h : (i + 1) * h]] for g in grads])
+        torch.testing.assert_close(w.detach()[i * h : (i + 1) * h], p.detach(), rtol=0, atol=1e-7)
+    # The scale used (h, C), not (R, C): a whole-matrix Muon moves the weights differently.
+    whole = _params([(heads * h, 40)])[0]
+    _run(Muon([whole], **kw), [whole], grads)
+    assert not torch.allclose(whole, w, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128), (3, 64, 96)], ids=str)
+def test_update_rms_matches_adamw_scale(shape):
+    p = _params([shape])[0]
+    before = p.detach().clone()
+    p.grad = torch.randn(shape)
+    Muon([p], lr=1e-2, weight_decay=0.0).step()  # defaults: bf16, match_rms_adamw
+    rms = ((p.detach() - before) / 1e-2).pow(2).mean().sqrt().item()
+    assert 0.15 < rms < 0.25, rms
+
+
+def _snapshot(params):
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("through_bytes", [False, True])
+def test_state_dict_round_trip_resumes_identically(through_bytes):
+    shapes = [(48, 80), (80, 48), (2, 24, 40), (64, 32)]
+    params = _params(shapes)
+    groups = [{"params": params[:3]}, {"params": params[3:], "split_rows": 16, "weight_decay": 0.0}]
+    opt = Muon(groups, lr=0.02, weight_decay=0.1, coefficients="polar_express")
+    grads = _grads(params, steps=5)
+    _run(opt, params, grads[:3])
+    saved_params, saved_state = _snapshot(params), copy.deepcopy(opt.state_dict())
+    _run(opt, params, grads[3:])
+
+    resumed = [torch.nn.Parameter(t.clone()) for t in saved_params]
+    opt2 = Muon(
+        [{"params": resumed[:3]}, {"params": resumed[3:], "split_rows": 16, "weight_decay": 0.0}],
+        lr=0.02, weight_decay=0.1, coefficients="polar_express",
+    )
+    if through_bytes:
+        buffer = io.BytesIO()
+        torch.save(saved_state, buffer)
+        buffer.seek(0)
+        saved_state = torch.load(buffer, weights_only=True)
+    opt2.load_state_dict(saved_state)
+    assert opt2.param_groups[1]["split_rows"] == 16
+    _run(opt2, resumed, grads[3:])
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+    buf = opt2.state[resumed[0]]["momentum_buffer"]
+    assert buf.dtype == torch.float32 and buf.shape == resumed[0].shape
+
+
+def test_params_without_grad_are_skipped_and_closure_runs():
+    a, b = _params([(16, 24), (24, 16)])
+    b_before = b.detach().clone()
+    opt = Muon([a, b], lr=0.1)
+
+    def closure():
+        a.grad = torch.ones_like(a)
+        return 3.0
+
+    assert opt.step(closure) == 3.0
+    assert torch.equal(b, b_before) and b not in opt.state
+    assert "momentum_buffer" in opt.state[a]
+
+
+def test_ns_dtype_accepts_strings_and_dtypes():
+    p = _params([(8, 8)])
+    assert Muon(p, ns_dtype="bf16").param_groups[0]["ns_dtype"] == torch.bfloat16
+    assert Muon(p, ns_dtype="fp32").param_groups[0]["ns_dtype"] == torch.float32
+    assert Muon(p, ns_dtype=torch.float32).param_groups[0]["ns_dtype"] == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(lr=-1.0), "optim.muon.lr"),
+        (dict(weight_decay=-0.1), "optim.muon.weight_decay"),
+        (dict(momentum=1.0), "optim.muon.momentum"),
+        (dict(momentum=-0.1), "optim.muon.momentum"),
+        (dict(nesterov="yes"), "optim.muon.nesterov"),
+        (dict(ns_steps=0), "optim.muon.ns_steps"),
+        (dict(ns_steps=2.5), "optim.muon.ns_steps"),
+        (dict(coefficients="quintic"), "optim.muon.coefficients"),
+        (dict(ns_dtype="fp8"), "optim.muon.ns_dtype"),
+        (dict(ns_dtype=torch.int32), "optim.muon.ns_dtype"),
+        (dict(adjust_lr="original"), "optim.muon.adjust_lr"),
+        (dict(eps=0.0), "optim.muon.eps"),
+    ],
+)
+def test_invalid_options_name_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        Muon(_params([(8, 8)]), **kwargs)
+    # The same value given per group is rejected too.
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        Muon([{"params": _params([(8, 8)]), **kwargs}])
+
+
+def test_invalid_shapes_and_split_rows():
+    with pytest.raises(ValueError, match="optim.muon.split_rows"):
+        Muon([{"params": _params([(48, 8)]), "split_rows": 7}])
+    with pytest.raises(ValueError, match="optim.muon.split_rows"):
+        Muon([{"params": _params([(48, 8)]), "split_rows": 0}])
+    with pytest.raises(ValueError, match="2-D"):
+        Muon(_params([(8,)]))
+    with pytest.raises(ValueError, match="2-D"):
+        Muon(_params([(2, 2, 4, 4)]))
