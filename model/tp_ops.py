@@ -5,26 +5,10 @@ TP model can be read off the layer code. With a TP group of one they are identit
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
-Group = Optional[dist.ProcessGroup]
-
-
-def group_size(group: Group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
+from model.comm import Group, all_gather_into, all_reduce, group_rank, group_size  # noqa: F401
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -57,9 +41,10 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    # Gather rank-major along a new leading dim, then lay the shards side by side in `dim`.
+    out = x.new_empty((size, *x.shape))
+    all_gather_into(out, x, group)
+    return torch.cat(out.unbind(0), dim=dim)
 
 
 def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

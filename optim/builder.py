@@ -10,14 +10,28 @@ import torch
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from optim.muon import Muon
+from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import HEAD_KINDS, route_parameters
+from optim.zero import ZeroOptimizer
+from trainer.mesh import Mesh
 
 
 class MuonWithAdamW:
-    """Steps a list of torch optimizers as one. Each param group carries its "kind"."""
+    """Steps a list of torch optimizers as one. Each param group carries its "kind".
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+    Without data parallelism (or for tests) every rank steps every parameter; with DP the
+    trainer uses the ZeRO-1 version in optim/zero.py, which has the same interface.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: list[torch.Tensor], mesh: Mesh) -> None:
         self.optimizers = optimizers
+        self.params = params
+        self.mesh = mesh
+
+    def prepare_grads(self, max_norm: float) -> torch.Tensor:
+        """Average gradients over DP, clip by the global norm; returns the norm."""
+        average_gradients(self.params, self.mesh.dp_group)
+        return clip_gradients(self.params, max_norm, self.mesh.tp_group)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -56,7 +70,12 @@ class MuonWithAdamW:
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig) -> MuonWithAdamW:
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh = Mesh()
+) -> MuonWithAdamW | ZeroOptimizer:
+    """ZeRO-1 over DP when there is data parallelism, else a plain local optimizer."""
+    if mesh.dp > 1:
+        return ZeroOptimizer(model, cfg, model_cfg, mesh)
     params = dict(model.named_parameters())
     by_target: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for route in route_parameters(model, cfg.name):
@@ -70,8 +89,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelCo
                 "kind": kind,
                 "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),
             }
-            if target == "muon" and cfg.muon.split_heads and kind in HEAD_KINDS:
-                group["split_rows"] = model_cfg.head_dim
+            if target == "muon":
+                group["tp_group"] = mesh.tp_group
+                if cfg.muon.split_heads and kind in HEAD_KINDS:
+                    group["split_rows"] = model_cfg.head_dim
             out.append(group)
         return out
 
@@ -93,4 +114,5 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelCo
         optimizers["adamw"] = torch.optim.AdamW(
             groups("adamw"), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
         )
-    return MuonWithAdamW(optimizers)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return MuonWithAdamW(optimizers, trainable, mesh)

@@ -22,7 +22,7 @@ def average_gradients(params: Iterable[torch.Tensor], group: Optional[dist.Proce
         bucket = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in bucket])
         flat.div_(size)
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from model.comm import all_gather_into, group_rank, group_size
 from optim.newton_schulz import (
     ADJUST_LR_MODES,
     COEFFICIENTS,
@@ -97,12 +98,12 @@ def _validate_group(group: dict[str, Any]) -> None:
     if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
         raise ValueError(f"optim.muon.split_rows must be None or an int >= 1, got {h!r}")
     for p in group["params"]:
-        _matrix_layout(p.shape, h)  # raises on unsupported shapes
+        matrix_layout(p.shape, h)  # raises on unsupported shapes
         if p.is_sparse:
             raise ValueError("optim.muon: sparse parameters are not supported")
 
 
-def _matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
+def matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
     """(k, rows, cols): the parameter seen as k independent rows x cols matrices."""
     if len(shape) not in (2, 3):
         raise ValueError(
@@ -121,7 +122,23 @@ def _matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int,
     return k, rows, cols
 
 
-def _as_matrices(t: Tensor, k: int, rows: int, cols: int) -> Tensor:
+def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
+    """The matrix dimension (0: rows, 1: cols) along which this parameter is a TP shard that
+    Newton-Schulz must see whole, or None when the local matrices are already complete.
+
+    Per-head matrices of a row-split (column-parallel) projection are complete on each
+    rank, since TP splits the rows by whole heads.
+    """
+    dim = getattr(param, "tp_split_dim", None)
+    if dim is None or group_size(group.get("tp_group")) == 1:
+        return None
+    split = dim - (param.ndim - 2)  # 3-D expert stacks: dims 1, 2 are the matrix rows, cols
+    if split == 0 and group["split_rows"] is not None:
+        return None
+    return split
+
+
+def matrix_view(t: Tensor, k: int, rows: int, cols: int) -> Tensor:
     """t as [k, rows, cols] for reading: a view when t's strides allow it, else a copy."""
     return t.reshape(k, rows, cols)
 
@@ -180,6 +197,7 @@ class Muon(torch.optim.Optimizer):
             adjust_lr=adjust_lr,
             eps=eps,
             split_rows=None,
+            tp_group=None,
         )
         # Fail on the defaults themselves even when every group overrides them.
         _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
@@ -198,6 +216,7 @@ class Muon(torch.optim.Optimizer):
 
         # Stack key: everything the Newton-Schulz result depends on besides the data.
         stacks: dict[tuple, list[_Item]] = {}
+        tp_stacks: dict[tuple, list[_Item]] = {}  # TP shards that need the full matrix
         for group in self.param_groups:
             ns_key = (group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"])
             for p in group["params"]:
@@ -212,15 +231,51 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = buf
                 elif not buf.is_contiguous():  # e.g. loaded from a checkpoint; updated in place
                     buf = state["momentum_buffer"] = buf.contiguous()
-                k, rows, cols = _matrix_layout(p.shape, group["split_rows"])
+                k, rows, cols = matrix_layout(p.shape, group["split_rows"])
+                item = _Item(p, p.grad, buf, group, k, rows, cols)
+                split = tp_gather_dim(p, group)
+                if split is not None:
+                    key = (rows, cols, split, id(group["tp_group"]), p.dtype, p.device, *ns_key)
+                    tp_stacks.setdefault(key, []).append(item)
+                    continue
                 key = (min(rows, cols), max(rows, cols), p.dtype, p.device, *ns_key)
-                stacks.setdefault(key, []).append(
-                    _Item(p, p.grad, buf, group, k, rows, cols)
-                )
+                stacks.setdefault(key, []).append(item)
 
         for (m, n, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
             self._step_stack(items, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+        for (rows, cols, split, _, dtype, device, *ns), items in tp_stacks.items():
+            self._step_tp_stack(items, split, *ns)
         return loss
+
+    @staticmethod
+    def _step_tp_stack(items: list[_Item], split: int, steps: int, coefficients: str,
+                       ns_dtype: torch.dtype, eps: float) -> None:
+        """Same-shape TP shards: momentum, one TP all-gather of the whole stack along the split
+        dimension, Newton-Schulz on the full matrices, then each rank keeps its own shard.
+
+        Every TP rank repeats the Newton-Schulz of the full matrices (the "gather" mode);
+        the scale uses the full matrix shape, as single-device Muon would.
+        """
+        group = items[0].group["tp_group"]
+        inputs = torch.cat([
+            momentum_update(matrix_view(it.buf, it.k, it.rows, it.cols),
+                            matrix_view(it.grad, it.k, it.rows, it.cols),
+                            it.group["momentum"], it.group["nesterov"])
+            for it in items
+        ])
+        tp = group_size(group)
+        gathered = inputs.new_empty((tp, *inputs.shape))
+        all_gather_into(gathered, inputs, group)
+        full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols] of the full matrices
+        ortho = newton_schulz(full, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+        own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
+        rows_full, cols_full = full.shape[-2:]
+        offset = 0
+        for it in items:
+            lr, wd = it.group["lr"], it.group["weight_decay"]
+            scale = muon_scale(rows_full, cols_full, it.group["adjust_lr"])
+            _apply_update(it.param, own[offset : offset + it.k], it.k, it.rows, it.cols, lr, wd, -lr * scale)
+            offset += it.k
 
     @staticmethod
     def _step_stack(
@@ -243,8 +298,8 @@ class Muon(torch.optim.Optimizer):
             if it.rows > it.cols:
                 dst = dst.mT  # tall matrices are stored transposed, i.e. wide
             momentum_update(
-                _as_matrices(it.buf, it.k, it.rows, it.cols),
-                _as_matrices(it.grad, it.k, it.rows, it.cols),
+                matrix_view(it.buf, it.k, it.rows, it.cols),
+                matrix_view(it.grad, it.k, it.rows, it.cols),
                 it.group["momentum"],
                 it.group["nesterov"],
                 out=dst,

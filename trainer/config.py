@@ -157,8 +157,3 @@ def validate(cfg: TrainConfig) -> None:
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
     _positive("parallel.tp", cfg.parallel.tp)
-    if o.name == "muon" and cfg.parallel.tp > 1:
-        raise ConfigError(
-            "optim=muon with parallel.tp>1 needs Newton-Schulz on whole (TP-gathered) "
-            "matrices, which is not implemented yet; use optim=adamw or parallel.tp=1"
-        )

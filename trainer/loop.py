@@ -14,11 +14,11 @@ from data.loader import TrainBatches, eval_batches
 from data.pipeline import PreparedData, prepare_data
 from eval.evaluate import attention_max_logits, eval_losses
 from eval.health import HealthStats
+from model.comm import COUNTER as COMM
 from model.gpt import GPT
 from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
 from optim.builder import build_optimizer
-from optim.grad_ops import average_gradients, clip_gradients
 from optim.schedule import lr_at
 from trainer import device as dev
 from trainer.config import TrainConfig
@@ -67,7 +67,7 @@ class Trainer:
         self.model_cfg = self.model.cfg
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.forward = dev.maybe_compile(self.model, t.compile)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh)
         self.health = HealthStats(self.model, self.mesh.tp_group)
 
         self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
@@ -116,8 +116,7 @@ class Trainer:
             loss_sum += loss.detach().float()
         self.model.track_output_rms = False
 
-        average_gradients(self.params, mesh.dp_group)
-        grad_norm = clip_gradients(self.params, self.cfg.optim.grad_clip, mesh.tp_group)
+        grad_norm = self.optimizer.prepare_grads(self.cfg.optim.grad_clip)
         stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
         if measure:
             before = self.health.snapshot()
@@ -159,6 +158,7 @@ class Trainer:
         progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none")
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0
+        COMM.reset()
         try:
             while self.step < t.max_steps:
                 done = self.step + 1
@@ -175,6 +175,8 @@ class Trainer:
                     metrics["perf/step_s"] = elapsed / window_steps
                     metrics["perf/tokens_per_s"] = self.tokens_per_step * window_steps / elapsed
                     metrics["mem/optim_state_bytes"] = float(self.optimizer.state_bytes())
+                    if mesh.world_size > 1:
+                        metrics.update(COMM.metrics(window_steps))
                     progress.report(done, metrics["train/loss"], metrics["perf/tokens_per_s"])
                 eval_due = is_last or (cfg.eval.interval > 0 and done % cfg.eval.interval == 0)
                 if eval_due:
@@ -187,8 +189,9 @@ class Trainer:
                     if sinks is not None:
                         sinks.log(done, done * self.tokens_per_step, metrics)
                     last = metrics
-                    # Eval and logging time is not training throughput: restart the window.
+                    # Eval and logging are not training: restart the throughput and comm window.
                     window_start, window_steps = time.perf_counter(), 0
+                    COMM.reset()
         finally:
             progress.close()
             if sinks is not None:

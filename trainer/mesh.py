@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from model.comm import label_group
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -93,6 +95,8 @@ def build_mesh(tp: int) -> Mesh:
         group = dist.new_group(ranks)
         if rank in ranks:
             dp_group = group
+    label_group(tp_group, "tp")
+    label_group(dp_group, "dp")
     return Mesh(rank=rank, world_size=world_size, tp=tp, tp_group=tp_group, dp_group=dp_group)
 
 
