@@ -109,6 +109,7 @@ def build_optimizer(
             ns_dtype=m.ns_dtype,
             adjust_lr=m.adjust_lr,
             eps=m.eps,
+            tp_mode=m.tp_mode,
         )
     if by_target["adamw"]:
         optimizers["adamw"] = torch.optim.AdamW(

@@ -24,6 +24,10 @@ class MuonConfig:
     adjust_lr: str = "match_rms_adamw"
     # Orthogonalise wq / wk / wv one attention head at a time instead of whole.
     split_heads: bool = False
+    # How TP-sharded matrices reach Newton-Schulz whole: "gather" all-gathers the momentum
+    # shards and orthogonalises the full matrix on every TP rank; "gram" iterates on the
+    # shards and all-reduces the small Gram matrix each step (see optim/newton_schulz.py).
+    tp_mode: str = "gather"
     eps: float = 1e-7
 
 

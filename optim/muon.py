@@ -34,6 +34,7 @@ from optim.newton_schulz import (
     muon_scale,
     newton_schulz,
 )
+from optim.newton_schulz_tp import newton_schulz_sharded
 
 NS_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -94,6 +95,8 @@ def _validate_group(group: dict[str, Any]) -> None:
     eps = group["eps"]
     if not _is_number(eps) or eps <= 0:
         raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps!r}")
+    if group["tp_mode"] not in ("gather", "gram"):
+        raise ValueError(f"optim.muon.tp_mode: unknown mode {group['tp_mode']!r} (expected gather or gram)")
     h = group["split_rows"]
     if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
         raise ValueError(f"optim.muon.split_rows must be None or an int >= 1, got {h!r}")
@@ -185,6 +188,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | str = torch.bfloat16,
         adjust_lr: str = "match_rms_adamw",
         eps: float = 1e-7,
+        tp_mode: str = "gather",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -198,6 +202,7 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
             split_rows=None,
             tp_group=None,
+            tp_mode=tp_mode,
         )
         # Fail on the defaults themselves even when every group overrides them.
         _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
@@ -235,7 +240,7 @@ class Muon(torch.optim.Optimizer):
                 item = _Item(p, p.grad, buf, group, k, rows, cols)
                 split = tp_gather_dim(p, group)
                 if split is not None:
-                    key = (rows, cols, split, id(group["tp_group"]), p.dtype, p.device, *ns_key)
+                    key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, *ns_key)
                     tp_stacks.setdefault(key, []).append(item)
                     continue
                 key = (min(rows, cols), max(rows, cols), p.dtype, p.device, *ns_key)
@@ -243,18 +248,19 @@ class Muon(torch.optim.Optimizer):
 
         for (m, n, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
             self._step_stack(items, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
-        for (rows, cols, split, _, dtype, device, *ns), items in tp_stacks.items():
+        for (rows, cols, split, _, _, dtype, device, *ns), items in tp_stacks.items():
             self._step_tp_stack(items, split, *ns)
         return loss
 
     @staticmethod
     def _step_tp_stack(items: list[_Item], split: int, steps: int, coefficients: str,
                        ns_dtype: torch.dtype, eps: float) -> None:
-        """Same-shape TP shards: momentum, one TP all-gather of the whole stack along the split
-        dimension, Newton-Schulz on the full matrices, then each rank keeps its own shard.
+        """Same-shape TP shards, orthogonalised as the full matrices they are parts of.
 
-        Every TP rank repeats the Newton-Schulz of the full matrices (the "gather" mode);
-        the scale uses the full matrix shape, as single-device Muon would.
+        tp_mode "gather": one TP all-gather of the whole stack along the split dimension,
+        Newton-Schulz on the full matrices (repeated on every TP rank), keep the own shard.
+        tp_mode "gram": Newton-Schulz on the shards, all-reducing the small Gram matrix each
+        iteration (newton_schulz_sharded). Either way the scale uses the full matrix shape.
         """
         group = items[0].group["tp_group"]
         inputs = torch.cat([
@@ -264,12 +270,15 @@ class Muon(torch.optim.Optimizer):
             for it in items
         ])
         tp = group_size(group)
-        gathered = inputs.new_empty((tp, *inputs.shape))
-        all_gather_into(gathered, inputs, group)
-        full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols] of the full matrices
-        ortho = newton_schulz(full, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
-        own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
-        rows_full, cols_full = full.shape[-2:]
+        rows_full, cols_full = (items[0].rows * tp, items[0].cols) if split == 0 else (items[0].rows, items[0].cols * tp)
+        if items[0].group["tp_mode"] == "gram":
+            own = newton_schulz_sharded(inputs, split, group, steps, coefficients, ns_dtype, eps)
+        else:
+            gathered = inputs.new_empty((tp, *inputs.shape))
+            all_gather_into(gathered, inputs, group)
+            full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols]: full matrices
+            ortho = newton_schulz(full, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+            own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
         offset = 0
         for it in items:
             lr, wd = it.group["lr"], it.group["weight_decay"]

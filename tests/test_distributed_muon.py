@@ -44,9 +44,9 @@ def train(model, opt, data, dp_rank: int, dp: int) -> None:
         opt.zero_grad()
 
 
-def _muon_worker(rank: int, world: int, tp: int, name: str, split_heads: bool) -> dict:
+def _muon_worker(rank: int, world: int, tp: int, name: str, split_heads: bool, tp_mode: str = "gather") -> dict:
     mesh = build_mesh(tp)
-    cfg = optim_cfg(name, split_heads=split_heads)
+    cfg = optim_cfg(name, split_heads=split_heads, tp_mode=tp_mode)
     data = batches(5, 4)
     torch.manual_seed(0)
     reference = GPT(CFG)
@@ -71,9 +71,12 @@ def _muon_worker(rank: int, world: int, tp: int, name: str, split_heads: bool) -
     }
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), (2, 2), (4, 1)])
-def test_distributed_muon_equals_single_process(dp, tp):
-    results = run_distributed(_muon_worker, dp * tp, tp, "muon", False)
+# tp_mode only matters with TP, so the (dp, 1) layouts appear once.
+@pytest.mark.parametrize("dp, tp, tp_mode", [
+    (2, 1, "gather"), (4, 1, "gather"), (1, 2, "gather"), (1, 2, "gram"), (2, 2, "gather"), (2, 2, "gram"),
+])
+def test_distributed_muon_equals_single_process(dp, tp, tp_mode):
+    results = run_distributed(_muon_worker, dp * tp, tp, "muon", False, tp_mode)
     for rank, r in enumerate(results):
         assert r["worst"] <= 1e-5, f"rank {rank}: relative parameter error {r['worst']:.2e}"
     if dp > 1:
