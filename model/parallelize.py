@@ -30,6 +30,20 @@ def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:
             raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={tp}")
 
 
+# The dimension TP splits, by parameter-name suffix (0: output rows, 1: input columns);
+# anything else is replicated. parallelize_tp below must agree (a test checks it); tools
+# that reason about layouts without processes (scripts/bench_comm.py) read it here.
+TP_SPLIT_BY_SUFFIX: dict[str, int] = {
+    "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
+    "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
+    "embed.weight": 0, "head.weight": 0,
+}
+
+
+def tp_split_dim(name: str) -> int | None:
+    return next((d for suffix, d in TP_SPLIT_BY_SUFFIX.items() if name.endswith(suffix)), None)
+
+
 def parallelize_tp(model: GPT, group: Group) -> GPT:
     tp = group_size(group)
     if tp == 1:

@@ -30,6 +30,7 @@ from model.comm import all_gather_into, group_rank, group_size
 from optim.newton_schulz import (
     ADJUST_LR_MODES,
     COEFFICIENTS,
+    batch_chunk,
     momentum_update,
     muon_scale,
     newton_schulz,
@@ -298,34 +299,63 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype,
         eps: float,
     ) -> None:
-        """Momentum into one [N, m, n] stack, one batched Newton-Schulz, per-parameter updates."""
-        total = sum(it.k for it in items)
-        stack = torch.empty(total, m, n, dtype=dtype, device=device)
-        offset = 0
-        for it in items:
-            dst = stack[offset : offset + it.k]
-            if it.rows > it.cols:
-                dst = dst.mT  # tall matrices are stored transposed, i.e. wide
-            momentum_update(
-                matrix_view(it.buf, it.k, it.rows, it.cols),
-                matrix_view(it.grad, it.k, it.rows, it.cols),
-                it.group["momentum"],
-                it.group["nesterov"],
-                out=dst,
-            )
-            offset += it.k
-        # Keep the result in ns_dtype: the update below reads it once, casting on the fly.
-        ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+        """Momentum into [N, m, n] stacks, batched Newton-Schulz, per-parameter updates.
 
-        offset = 0
+        Off CPU all N matrices form one stack and go through one newton_schulz call. On CPU
+        the items are cut into runs of about batch_chunk(...) matrices, each carried from
+        momentum to parameter update while its data is still in cache (see batch_chunk).
+        """
+        limit = batch_chunk(m, n, ns_dtype, device)
+        run: list[_Item] = []
         for it in items:
-            upd = ortho[offset : offset + it.k]
-            if it.rows > it.cols:
-                upd = upd.mT
-            offset += it.k
-            lr, wd = it.group["lr"], it.group["weight_decay"]
-            scale = muon_scale(it.rows, it.cols, it.group["adjust_lr"])
-            _apply_update(it.param, upd, it.k, it.rows, it.cols, lr, wd, -lr * scale)
+            run.append(it)
+            if limit is not None and sum(r.k for r in run) >= limit:
+                _step_run(run, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+                run = []
+        if run:
+            _step_run(run, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+
+
+def _step_run(
+    items: list[_Item],
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    steps: int,
+    coefficients: str,
+    ns_dtype: torch.dtype,
+    eps: float,
+) -> None:
+    """Momentum into one [N, m, n] stack, one batched Newton-Schulz, per-parameter updates."""
+    total = sum(it.k for it in items)
+    stack = torch.empty(total, m, n, dtype=dtype, device=device)
+    offset = 0
+    for it in items:
+        dst = stack[offset : offset + it.k]
+        if it.rows > it.cols:
+            dst = dst.mT  # tall matrices are stored transposed, i.e. wide
+        momentum_update(
+            matrix_view(it.buf, it.k, it.rows, it.cols),
+            matrix_view(it.grad, it.k, it.rows, it.cols),
+            it.group["momentum"],
+            it.group["nesterov"],
+            out=dst,
+        )
+        offset += it.k
+    # Keep the result in ns_dtype: the update below reads it once, casting on the fly.
+    ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+
+    offset = 0
+    for it in items:
+        upd = ortho[offset : offset + it.k]
+        if it.rows > it.cols:
+            upd = upd.mT
+        offset += it.k
+        lr, wd = it.group["lr"], it.group["weight_decay"]
+        scale = muon_scale(it.rows, it.cols, it.group["adjust_lr"])
+        _apply_update(it.param, upd, it.k, it.rows, it.cols, lr, wd, -lr * scale)
+
 
 
 def _apply_update(

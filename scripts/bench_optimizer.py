@@ -91,19 +91,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _jiffies() -> tuple[int, int] | None:
+    """(busy jiffies of the whole machine, jiffies of this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(v) - v[3] - v[4], int(own[11]) + int(own[12])  # minus idle, iowait; utime + stime
+
+
+FOREIGN_LIMIT = 0.10  # cores' worth of other processes' CPU time tolerated during a round
+ROUND_STATS = {"kept": 0, "redone": 0}
+
+
 def interleaved_medians(
     fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
 ) -> dict[str, float]:
-    """Median seconds per call of each fn; each repeat calls every fn once, in turn."""
+    """Median seconds per call of each fn; each round calls every fn once, in turn.
+
+    This machine may be shared: a round during which other processes used more than
+    FOREIGN_LIMIT of a core (from /proc/stat minus our own CPU time) is thrown away and
+    redone, up to 3 * repeats extra rounds.
+    """
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(warmup + repeats):
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    redo_budget = 3 * repeats
+    while len(next(iter(times.values()))) < repeats:
+        before, t_round = _jiffies(), time.perf_counter()
+        took = {}
         for name, fn in fns.items():
             _sync(device)
             t0 = time.perf_counter()
             fn()
             _sync(device)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+            took[name] = time.perf_counter() - t0
+        after, t_round = _jiffies(), time.perf_counter() - t_round
+        if before is not None and after is not None and redo_budget > 0:
+            hz = os.sysconf("SC_CLK_TCK")
+            foreign = ((after[0] - before[0]) - (after[1] - before[1])) / hz / t_round
+            if foreign > FOREIGN_LIMIT:
+                redo_budget -= 1
+                ROUND_STATS["redone"] += 1
+                continue
+        ROUND_STATS["kept"] += 1
+        for name, secs in took.items():
+            times[name].append(secs)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -291,8 +328,10 @@ def main() -> None:
             secs = tn[f"{impl} {label}"]
             gf = flops / secs / 1e9
             print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {100 * gf / peak[label]:.0f}% |")
+    print(f"\nTiming rounds kept: {ROUND_STATS['kept']}; thrown away and redone because other "
+          f"processes used > {FOREIGN_LIMIT:.0%} of a core meanwhile: {ROUND_STATS['redone']}.")
     with contextlib.suppress(OSError):
-        print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

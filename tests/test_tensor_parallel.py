@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.parallelize import check_tp_divisibility, parallelize_tp
+from model.parallelize import check_tp_divisibility, parallelize_tp, tp_split_dim
 from model.tp_layers import padded_vocab, vocab_parallel_cross_entropy
 from model.tp_ops import gather_from_tp
 from optim.grad_ops import average_gradients, clip_gradients
@@ -63,6 +63,10 @@ def _equivalence_worker(rank: int, world: int, tp: int, n_kv_heads: int) -> dict
     loss_avg = loss.detach().clone()
     torch.distributed.all_reduce(loss_avg, group=mesh.dp_group)
     errors["loss"] = abs(loss_avg.item() / mesh.dp - ref_loss.item()) / ref_loss.item()
+
+    for name, param in model.named_parameters():
+        expected = tp_split_dim(name) if mesh.tp > 1 else None
+        assert param.tp_split_dim == expected, name
 
     ref_params = dict(reference.named_parameters())
     worst = 0.0
