@@ -92,3 +92,17 @@ def test_torchrun_launch_matches_python_launch(tmp_path):
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-5 * abs(y)
+
+
+def test_dp2_tp2_muon_tracks_the_single_process_run_and_logs_comm(tmp_path):
+    muon = ["optim=muon", "optim.muon.ns_dtype=fp32"]
+    single = train_in_process(tmp_path / "single", muon + ["trainer.batch_size=4"])
+    run_distributed(_train_worker, 4, str(tmp_path / "par"), muon + ["trainer.batch_size=2", "parallel.tp=2"])
+    parallel = read_metrics(tmp_path / "par")
+    assert_tracks(losses(parallel), losses(single), 1e-5)
+    last = parallel[-1]
+    # one reduce-scatter and one all-gather of the same flat buffer per step
+    assert last["comm/dp/reduce_scatter_calls"] == last["comm/dp/all_gather_calls"] == 1
+    assert last["comm/dp/reduce_scatter_bytes"] == last["comm/dp/all_gather_bytes"] > 0
+    assert last["comm/tp/all_reduce_bytes"] > 0 and last["comm/tp/all_gather_bytes"] > 0
+    assert last["comm/seconds"] > 0

@@ -14,6 +14,7 @@ from trainer.config import LoggerConfig
 
 class MetricSinks:
     def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any]) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if cfg.tensorboard:
