@@ -3,28 +3,26 @@ together as one object with one state_dict."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from optim.muon import Muon
+from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero import ZeroOptimizer
 from trainer.mesh import Mesh
 
 
-class MuonWithAdamW:
-    """Steps a list of torch optimizers as one. Each param group carries its "kind".
-
-    Without data parallelism (or for tests) every rank steps every parameter; with DP the
-    trainer uses the ZeRO-1 version in optim/zero.py, which has the same interface.
-    """
+class MuonWithAdamW(OptimizerSet):
+    """Every rank steps every parameter: the single-process (and TP-only) optimizer. With
+    data parallelism the trainer uses ZeroOptimizer (optim/zero.py) instead."""
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], params: list[torch.Tensor], mesh: Mesh) -> None:
-        self.optimizers = optimizers
+        super().__init__(optimizers)
         self.params = params
         self.mesh = mesh
 
@@ -33,41 +31,9 @@ class MuonWithAdamW:
         average_gradients(self.params, self.mesh.dp_group)
         return clip_gradients(self.params, max_norm, self.mesh.tp_group)
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.param_groups:
-            group["lr"] = lr
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for opt in self.optimizers.values():
-            opt.step()
-
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if set(state) != set(self.optimizers):
-            raise ValueError(
-                f"optimizer state holds {sorted(state)}, this run has {sorted(self.optimizers)}"
-            )
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state[name])
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for opt in self.optimizers.values():
-            for per_param in opt.state.values():
-                yield from (v for v in per_param.values() if torch.is_tensor(v))
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
 
 def build_optimizer(

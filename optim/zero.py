@@ -15,7 +15,7 @@ ZeRO-1, and each Muon matrix is orthogonalised by exactly one DP rank.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +23,7 @@ from model.comm import all_gather_into, all_reduce, reduce_scatter_into
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from optim.muon import Muon, matrix_layout
+from optim.optimizer_set import OptimizerSet
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
 from trainer.mesh import Mesh
@@ -35,7 +36,7 @@ def _muon_matrices(param: torch.Tensor, split_rows: int | None) -> tuple[tuple[i
     return ((rows, cols),) * k
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerSet):
     """ZeRO-1 Muon + AdamW (optim=muon) or ZeRO-1 AdamW (optim=adamw) over the DP group."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
@@ -95,21 +96,11 @@ class ZeroOptimizer:
             groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}
                       for kind, plist in adamw_groups.items()]
             optimizers["adamw"] = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-        self.optimizers = optimizers
+        super().__init__(optimizers)
         # Which owned slices belong to TP-sharded parameters (their squares sum over TP).
         self._sharded = [getattr(self.params[s.param], "tp_split_dim", None) is not None for _, s in self._owned]
         if mesh.is_main:
             log.info(self.plan.describe())
-
-    # -- the interface the trainer uses (shared with MuonWithAdamW) --
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.param_groups:
-            group["lr"] = lr
 
     def _flatten(self, tensors: list[torch.Tensor], slices: list[Slice], total: int, start: int) -> torch.Tensor:
         """Concatenate the slices of `tensors` in buffer order, zero-filling the padding."""
@@ -150,8 +141,7 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for opt in self.optimizers.values():
-            opt.step()
+        super().step()
         mine = [s for s in self.slices if self.segment_start <= s.offset < self.segment_start + self.plan.segment]
         data = [p.detach() for p in self.params]
         segment = self._flatten(data, mine, self.plan.segment, self.segment_start)
@@ -166,18 +156,3 @@ class ZeroOptimizer:
             p.grad = None
         for tensor, _ in self._owned:
             tensor.grad = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state[name])
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for opt in self.optimizers.values():
-            for per_param in opt.state.values():
-                yield from (v for v in per_param.values() if torch.is_tensor(v))
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors())
