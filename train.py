@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from data.sources import check_data_config
+from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.loop import Trainer
 from trainer.mesh import check_mesh_shape, destroy_mesh, world_size_from_env
@@ -38,6 +39,7 @@ def main(cfg: DictConfig) -> float:
         typed = to_dataclass(cfg)
         validate(typed)
         check_mesh_shape(world_size_from_env(), typed.parallel.tp)
+        check_moe_config(typed.model)
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)
     except (ValueError, OmegaConfBaseException) as err:

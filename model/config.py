@@ -24,6 +24,20 @@ class ModelConfig:
     init_std: float = 0.02
     # Set at run time from the tokenizer; a preset never needs to name it.
     vocab_size: int = 0
+    # Mixture of experts (model/moe.py); n_experts = 0 is a dense model.
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    # Hidden width of each routed (and each shared) expert; 0 means ffn_hidden.
+    expert_hidden: int = 0
+    # The first n_dense_layers blocks keep a dense SwiGLU MLP.
+    n_dense_layers: int = 0
+    score_func: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax"
+    routed_scaling: float = 1.0
+    # Auxiliary-loss-free balancing: bias_e += rate * sign(mean load - load_e) per step.
+    bias_update_rate: float = 1e-3
+    # Optional classic load-balancing loss, added to the training loss times this weight.
+    aux_loss_coef: float = 0.0
 
     @property
     def head_dim(self) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -130,12 +131,13 @@ class LMHead(nn.Linear):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        use_moe = cfg.n_experts > 0 and layer >= cfg.n_dense_layers
+        self.mlp = MoE(cfg) if use_moe else SwiGLU(cfg)
 
     def forward(
         self,
@@ -155,7 +157,7 @@ class GPT(nn.Module):
             raise ValueError("model.vocab_size must be set (it is taken from the tokenizer)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead(cfg.d_model, cfg.vocab_size)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -175,7 +177,7 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if param.ndim == 1:
                 nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w_down.weight")):
+            elif name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
             else:
                 nn.init.normal_(param, mean=0.0, std=std)
@@ -201,7 +203,12 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return self.head.full_logits(logits)
-        return self.head.loss(logits, targets)
+        loss = self.head.loss(logits, targets)
+        for block in self.blocks:
+            aux = getattr(block.mlp, "aux_loss", None)
+            if aux is not None:
+                loss = loss + aux
+        return loss
 
     def _track_output(self, slot: int, x: torch.Tensor) -> None:
         if self.track_output_rms:

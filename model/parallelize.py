@@ -11,9 +11,12 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import GPT
+from model.moe import MoE
 from model.tp_layers import (
     ColumnParallelLinear,
+    ReplicatedNorm,
     RowParallelLinear,
+    TPExperts,
     TPHeadNorm,
     TPInputNorm,
     VocabParallelEmbedding,
@@ -24,7 +27,10 @@ from model.tp_ops import Group, group_size
 
 def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the model key that TP does not divide."""
-    for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
+    keys = ["n_heads", "n_kv_heads", "ffn_hidden"]
+    if cfg.n_experts:
+        keys.append("expert_hidden" if cfg.expert_hidden else "ffn_hidden")
+    for key in keys:
         value = getattr(cfg, key)
         if value % tp:
             raise ValueError(f"model.{key}={value} is not divisible by parallel.tp={tp}")
@@ -35,7 +41,8 @@ def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:
 # that reason about layouts without processes (scripts/bench_comm.py) read it here.
 TP_SPLIT_BY_SUFFIX: dict[str, int] = {
     "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
-    "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
+    "w_gate.weight": 0, "w_up.weight": 0, "w_down.weight": 1,  # dense MLP and shared experts
+    "experts.w_gate": 1, "experts.w_up": 1, "experts.w_down": 2,
     "embed.weight": 0, "head.weight": 0,
 }
 
@@ -54,7 +61,6 @@ def parallelize_tp(model: GPT, group: Group) -> GPT:
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         block.attn_norm = TPInputNorm(block.attn_norm, group)
-        block.mlp_norm = TPInputNorm(block.mlp_norm, group)
         attn.wq = ColumnParallelLinear(attn.wq, group)
         attn.wk = ColumnParallelLinear(attn.wk, group)
         attn.wv = ColumnParallelLinear(attn.wv, group)
@@ -62,9 +68,18 @@ def parallelize_tp(model: GPT, group: Group) -> GPT:
         if attn.q_norm is not None:
             attn.q_norm = TPHeadNorm(attn.q_norm, group)
             attn.k_norm = TPHeadNorm(attn.k_norm, group)
-        mlp.w_gate = ColumnParallelLinear(mlp.w_gate, group)
-        mlp.w_up = ColumnParallelLinear(mlp.w_up, group)
-        mlp.w_down = RowParallelLinear(mlp.w_down, group)
+        if isinstance(mlp, MoE):
+            # The replicated router reads the norm's output directly; MoE itself enters the
+            # TP region for the experts (see model/moe.py).
+            block.mlp_norm = ReplicatedNorm(block.mlp_norm, group)
+            mlp.tp_group = group
+            mlp.router.weight.tp_split_dim = None
+            mlp.experts = TPExperts(mlp.experts, group)
+            if mlp.shared is not None:
+                _split_swiglu(mlp.shared, group)
+        else:
+            block.mlp_norm = TPInputNorm(block.mlp_norm, group)
+            _split_swiglu(mlp, group)
     model.final_norm = TPInputNorm(model.final_norm, group)
     model.embed = VocabParallelEmbedding(model.embed, group)
     model.head = VocabParallelHead(model.head, model.cfg.vocab_size, group)
@@ -72,6 +87,12 @@ def parallelize_tp(model: GPT, group: Group) -> GPT:
         if not hasattr(param, "tp_split_dim"):
             raise AssertionError("every parameter must record its TP split after parallelize_tp")
     return model
+
+
+def _split_swiglu(mlp: nn.Module, group: Group) -> None:
+    mlp.w_gate = ColumnParallelLinear(mlp.w_gate, group)
+    mlp.w_up = ColumnParallelLinear(mlp.w_up, group)
+    mlp.w_down = RowParallelLinear(mlp.w_down, group)
 
 
 def is_tp_sharded(param: nn.Parameter) -> bool:

@@ -1,18 +1,7 @@
-"""Optimizers: Muon (optim.muon) built on the pure functions of optim.newton_schulz."""
-from optim.muon import Muon
-from optim.newton_schulz import (
-    COEFFICIENTS,
-    coefficients_for,
-    momentum_update,
-    muon_scale,
-    newton_schulz,
-)
+"""Optimizers. Import from the modules: optim.muon (Muon), optim.newton_schulz (the pure
+momentum / Newton-Schulz / scale functions), optim.builder, ...
 
-__all__ = [
-    "COEFFICIENTS",
-    "Muon",
-    "coefficients_for",
-    "momentum_update",
-    "muon_scale",
-    "newton_schulz",
-]
+Deliberately empty otherwise: re-exporting `newton_schulz` here would shadow the
+optim.newton_schulz module attribute, and importing optim.muon would pull model.comm into
+every `import optim.config`.
+"""

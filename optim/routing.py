@@ -23,8 +23,8 @@ ROUTING_RULES: tuple[tuple[str, str], ...] = (
     (r"\.attn\.wk\.weight$", "attn_k"),
     (r"\.attn\.wv\.weight$", "attn_v"),
     (r"\.attn\.wo\.weight$", "attn_o"),
-    (r"\.mlp\.(w_gate|w_up)\.weight$", "mlp_in"),
-    (r"\.mlp\.w_down\.weight$", "mlp_out"),
+    (r"\.mlp\.(shared\.)?(w_gate|w_up)\.weight$", "mlp_in"),
+    (r"\.mlp\.(shared\.)?w_down\.weight$", "mlp_out"),
     (r"\.router\.", "router"),
     (r"\.experts\.", "experts"),
 )

@@ -16,6 +16,7 @@ from eval.evaluate import attention_max_logits, eval_losses
 from eval.health import HealthStats
 from model.comm import COUNTER as COMM
 from model.gpt import GPT
+from model.moe import balance_experts
 from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
 from optim.builder import build_optimizer
@@ -124,6 +125,7 @@ class Trainer:
             t0 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum)
         if measure:
             dev.synchronize(self.device)
             stats["perf/optim_step_s"] = time.perf_counter() - t0
@@ -137,6 +139,7 @@ class Trainer:
             rms = (all_reduce(rms, mesh.dp_group) / mesh.dp).tolist()
             stats.update({f"model/output_rms/layer_{i}": v for i, v in enumerate(rms[:-1])})
             stats["model/output_rms/final"] = rms[-1]
+            stats.update(moe)
         self.step += 1
         return stats
 

@@ -1,0 +1,203 @@
+"""Mixture-of-Experts feed-forward layer (DeepSeek-V3 style).
+
+- Router scores in fp32, by sigmoid (default) or softmax. The top-k experts are *selected* on
+  score + bias, where the bias is a per-expert buffer moved after each step toward balanced
+  load (auxiliary-loss-free balancing); the *gate values* use the scores without the bias,
+  normalised over the top-k for sigmoid, times a routed scaling factor.
+- Shared experts are a dense SwiGLU applied to every token and added.
+- Experts are stored as 3-D weights [E, out, in], so Muon orthogonalises each expert's
+  matrix on its own in one batched call.
+- Dispatch is dropless: (token, expert) pairs are sorted by expert and each projection is
+  one grouped matmul over the contiguous per-expert blocks, with no loop over tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.comm import Group, all_reduce, group_size
+from model.tp_ops import copy_to_tp, reduce_from_tp
+from model.config import ModelConfig
+
+
+def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs for these operands on this device.
+
+    On CPU it takes fp32, and bf16 when rows are 16-byte aligned; on CUDA it needs bf16 on
+    compute capability 9.0 or newer. Elsewhere the per-expert loop below computes the same.
+    """
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and aligned)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ends[e-1]:ends[e] of x [N, in] times w[e] [in, out], for every expert e."""
+    if grouped_mm_usable(x, w):
+        return torch._grouped_mm(x, w, offs=ends.to(torch.int32))
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked [E, out, in] weights (nn.Linear's layout, per expert)."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.w_up = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+
+    def forward(self, x_sorted: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x_sorted.device.type) if torch.is_autocast_enabled(x_sorted.device.type) else x_sorted.dtype
+        x = x_sorted.to(dtype)
+        gate = grouped_matmul(x, self.w_gate.to(dtype).transpose(-2, -1), ends)
+        up = grouped_matmul(x, self.w_up.to(dtype).transpose(-2, -1), ends)
+        return grouped_matmul(F.silu(gate) * up, self.w_down.to(dtype).transpose(-2, -1), ends)
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_up = nn.Linear(d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_experts
+        self.top_k = cfg.top_k
+        self.score_func = cfg.score_func
+        self.routed_scaling = cfg.routed_scaling
+        self.aux_loss_coef = cfg.aux_loss_coef
+        hidden = cfg.expert_hidden or cfg.ffn_hidden
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.d_model, hidden)
+        self.shared = SharedExperts(cfg.d_model, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        # Selection bias (not trained by gradients) and this step's routed-token counts.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("entropy_sum", torch.zeros(()), persistent=False)
+        self.aux_loss: Optional[torch.Tensor] = None
+        # Set by model/parallelize.py: the experts' hidden units are then split over TP.
+        self.tp_group: Group = None
+
+    def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k], gate values [N, k], scores [N, E]) for N tokens, in fp32."""
+        logits = F.linear(x_flat.float(), self.router.weight.float())
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        _, ids = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1)
+        gates = scores.gather(-1, ids)
+        if self.score_func == "sigmoid":
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, gates * self.routed_scaling, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        x_flat = x.reshape(-1, dim)
+        self.aux_loss = None
+        # The router is replicated: it sees the full activations and every TP rank routes
+        # identically. The experts see them through copy_to_tp, and the gates too, since each
+        # rank's expert outputs (and so the gates' gradients) are partial sums over TP.
+        ids, gates, scores = self.route(x_flat)
+        gates = copy_to_tp(gates, self.tp_group)
+        x_experts = copy_to_tp(x_flat, self.tp_group)
+
+        # Sort the N*k (token, expert) pairs by expert: each expert's tokens are contiguous.
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_ids, minlength=self.n_experts)
+        ends = counts.cumsum(0)
+        y = self.experts(x_experts[token_of], ends)
+        y = y.float() * gates.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(x_flat, dtype=torch.float32).index_add_(0, token_of, y).type_as(x)
+        out = reduce_from_tp(out, self.tp_group)
+        if self.shared is not None:
+            out = out + self.shared(x_experts)
+
+        if self.training:
+            self.load += counts.detach().float()
+            probs = scores.detach() / scores.detach().sum(-1, keepdim=True)
+            self.entropy_sum += -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()
+            if self.aux_loss_coef > 0:
+                self.aux_loss = self.balance_loss(scores, counts)
+        return out.view(batch, seq, dim)
+
+    def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Classic load-balancing loss: E * sum_e (fraction of routed slots to e) * (mean
+        normalised score of e); 1 when balanced."""
+        fraction = counts.float() / counts.sum()
+        probs = scores / scores.sum(-1, keepdim=True)
+        return self.aux_loss_coef * self.n_experts * (fraction * probs.mean(0)).sum()
+
+    @torch.no_grad()
+    def update_bias(self, total_load: torch.Tensor, rate: float) -> None:
+        """bias_e += rate * sign(mean load - load_e): under-used experts become likelier."""
+        self.expert_bias += rate * torch.sign(total_load.mean() - total_load)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(block index, layer) of every MoE feed-forward layer."""
+    return [(i, b.mlp) for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoE)]
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module, dp_group: Group, rate: float, n_micro_batches: int) -> dict[str, torch.Tensor]:
+    """After an optimizer step: move every layer's expert bias toward balanced load, using the
+    routed-token counts of the step summed over data-parallel ranks (so every rank keeps the
+    same bias), and return the step's MoE metrics as device tensors.
+
+    TP ranks route the same tokens identically, so their counts need no reduction.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    dp = group_size(dp_group)
+    # One all-reduce for every layer: [L, E + 1] = the loads, then the entropy sum.
+    packed = torch.stack([torch.cat([m.load, m.entropy_sum.view(1)]) for _, m in layers])
+    packed = all_reduce(packed, dp_group)
+    stats = {}
+    for (i, layer), row in zip(layers, packed):
+        load, entropy = row[:-1], row[-1] / (dp * max(1, n_micro_batches))
+        layer.update_bias(load, rate)
+        stats[f"moe/load_imbalance/layer_{i}"] = load.max() / load.mean().clamp_min(1e-9)
+        stats[f"moe/router_entropy/layer_{i}"] = entropy
+        stats[f"moe/bias_spread/layer_{i}"] = layer.expert_bias.max() - layer.expert_bias.min()
+        layer.load.zero_()
+        layer.entropy_sum.zero_()
+    return stats
+
+
+def check_moe_config(cfg: ModelConfig) -> None:
+    """Raise ValueError naming the model key of an invalid expert setting."""
+    if cfg.n_experts == 0:
+        return
+    if cfg.n_experts < 0:
+        raise ValueError(f"model.n_experts must be >= 0, got {cfg.n_experts}")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise ValueError(f"model.top_k={cfg.top_k} must lie in [1, model.n_experts={cfg.n_experts}]")
+    if cfg.score_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"model.score_func: unknown score function {cfg.score_func!r} (expected sigmoid or softmax)")
+    if not 0 <= cfg.n_dense_layers <= cfg.n_layers:
+        raise ValueError(f"model.n_dense_layers={cfg.n_dense_layers} must lie in [0, model.n_layers={cfg.n_layers}]")
+    if cfg.n_shared_experts < 0:
+        raise ValueError(f"model.n_shared_experts must be >= 0, got {cfg.n_shared_experts}")
+    if not math.isfinite(cfg.routed_scaling) or cfg.routed_scaling <= 0:
+        raise ValueError(f"model.routed_scaling must be > 0, got {cfg.routed_scaling}")
