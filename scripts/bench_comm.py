@@ -51,8 +51,16 @@ class Local:
 
     numel: int
     muon: bool
-    full_shape: tuple[int, int]  # the whole matrix Newton-Schulz sees
+    matrices: tuple[tuple[int, int], ...]  # the whole matrices Newton-Schulz sees (E for experts)
     tp_sharded: bool
+
+    @property
+    def ns_flops(self) -> float:
+        return sum(ns_flops(r, c) for r, c in self.matrices)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(r * c for r, c in self.matrices)
 
 
 def ns_flops(rows: int, cols: int) -> float:
@@ -71,12 +79,13 @@ def local_params(cfg: ModelConfig, tp: int) -> list[Local]:
             if name.endswith(("embed.weight", "head.weight")):
                 shape[0] = padded_vocab(shape[0], tp)
             shape[dim] //= tp
-        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", tuple(p.shape), dim is not None))
+        matrices = ((p.shape[-2], p.shape[-1]),) * (p.shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
+        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None))
     return out
 
 
 def tp_gather_bytes(p: Local, tp: int) -> int:
-    return 4 * math.prod(p.full_shape) if (p.muon and p.tp_sharded and tp > 1) else 0
+    return 4 * p.full_numel if (p.muon and p.tp_sharded and tp > 1) else 0
 
 
 def rows_for(params: list[Local], dp: int, tp: int) -> dict[str, dict[str, float]]:
@@ -87,8 +96,8 @@ def rows_for(params: list[Local], dp: int, tp: int) -> dict[str, dict[str, float
     flat = math.ceil(total / dp) * dp
     rows["adamw-zero1"] = dict(dp_bytes=2 * 4 * flat, tp_bytes=0, ns_max=0, ns_mean=0, state=8 * flat / dp)
 
-    plan = build_plan([ParamSpec(i, p.numel, (p.full_shape,) if p.muon else ()) for i, p in enumerate(params)], dp)
-    ns = [sum(ns_flops(*params[s.param].full_shape) for s in r.muon) for r in plan.ranks]
+    plan = build_plan([ParamSpec(i, p.numel, p.matrices if p.muon else ()) for i, p in enumerate(params)], dp)
+    ns = [sum(params[s.param].ns_flops for s in r.muon) for r in plan.ranks]
     state = [4 * sum(s.length for s in r.muon) + 8 * sum(s.length for s in r.adamw) for r in plan.ranks]
     tpb = [sum(tp_gather_bytes(params[s.param], tp) for s in r.muon) for r in plan.ranks]
     rows["muon-ours"] = dict(dp_bytes=2 * 4 * plan.total, tp_bytes=sum(tpb) / dp, ns_max=max(ns),
@@ -104,7 +113,7 @@ def rows_for(params: list[Local], dp: int, tp: int) -> dict[str, dict[str, float
             part = min(offset + p.numel, (r + 1) * chunk) - max(offset, r * chunk)
             state_r[r] += (4 if p.muon else 8) * part
             if p.muon:
-                ns_r[r] += ns_flops(*p.full_shape)
+                ns_r[r] += p.ns_flops
                 tp_r[r] += tp_gather_bytes(p, tp)
         if p.muon and last > first:
             extra += 2 * p.numel  # bf16 DP all-gather of the momentum
@@ -113,7 +122,7 @@ def rows_for(params: list[Local], dp: int, tp: int) -> dict[str, dict[str, float
                              ns_mean=sum(ns_r) / dp, state=max(state_r))
 
     # Megatron PoC: every parameter split over DP, every matrix gathered, NS on every rank.
-    ns_all = sum(ns_flops(*p.full_shape) for p in muon_ps)
+    ns_all = sum(p.ns_flops for p in muon_ps)
     extra = sum(2 * p.numel for p in muon_ps) if dp > 1 else 0
     rows["megatron-poc"] = dict(dp_bytes=2 * 4 * flat + extra,
                                 tp_bytes=sum(tp_gather_bytes(p, tp) for p in muon_ps), ns_max=ns_all,
