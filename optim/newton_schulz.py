@@ -9,18 +9,18 @@ Newton-Schulz (quintic) approximates the polar factor U V^T of G = U S V^T:
     repeat: A = X X^T;  B = b A + c A A;  X = a X + B X
 
 Each step applies the odd polynomial p(s) = a s + b s^3 + c s^5 to every singular value.
-The matrices are oriented "wide" (rows <= cols) so that the Gram matrix A is the small side.
+For tall matrices the same is done on the transpose (A = X^T X, X' = a X + X B), so the
+Gram matrix A is always the small side.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+import threading
+from collections import OrderedDict
+from typing import Sequence
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from model.comm import Group
 
 Coefficient = tuple[float, float, float]
 
@@ -107,53 +107,54 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
 
-    Each matrix is normalised by its own Frobenius norm, tall matrices are handled through
-    their transpose (so A = X X^T is min(rows, cols) square), and the iterations run in
-    `dtype`. Returns G's shape in `out_dtype` (default: G's dtype). G is not modified.
+    Each matrix is normalised by its own Frobenius norm and the iterations run in `dtype`.
+    Tall matrices use the Gram matrix X^T X and right-multiplication (X' = a X + X B), the
+    transpose of the wide form, so the Gram matrix is always min(rows, cols) square and no
+    data is ever transposed. Returns G's shape in `out_dtype` (default: G's dtype), written
+    into `out` when given (which may be G itself: every chunk of G is read before the same
+    chunk of `out` is written). G is otherwise not modified.
 
     All matrices go through the same batched GEMMs; on CPU the batch is cut into runs of
-    `batch_chunk(...)` matrices so each run's working set stays in cache (see there).
+    `batch_chunk(...)` matrices so that each run's working set stays in cache.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., rows, cols] tensor, got shape {list(G.shape)}")
     coeffs = coefficients_for(coefficients, steps)
-    out_dtype = G.dtype if out_dtype is None else out_dtype
-    rows, cols = G.shape[-2:]
-    tall = rows > cols
-    m, n = (cols, rows) if tall else (rows, cols)
-    lead = G.shape[:-2]
-    batch = math.prod(lead)
+    if out is None:
+        out = torch.empty(G.shape, dtype=G.dtype if out_dtype is None else out_dtype, device=G.device)
+    elif out.shape != G.shape or out.device != G.device:
+        raise ValueError(f"newton_schulz: out has shape {list(out.shape)}, G {list(G.shape)}")
     if G.numel() == 0:
-        return torch.zeros(G.shape, dtype=out_dtype, device=G.device)
-
-    Gw = (G.mT if tall else G).reshape(batch, m, n)  # a view unless G is oddly strided
-    out = torch.empty(batch, m, n, dtype=out_dtype, device=G.device)
-    chunk = min(batch, batch_chunk(m, n, dtype, G.device) or batch)
-    work = _Workspace(chunk, m, n, dtype, G.device)
+        return out
+    rows, cols = G.shape[-2:]
+    batch = G.numel() // (rows * cols)
+    G3, out3 = G.reshape(batch, rows, cols), out.view(batch, rows, cols)
+    chunk = min(batch, batch_chunk(min(rows, cols), max(rows, cols), dtype, G.device) or batch)
+    work = _workspace(chunk, rows, cols, dtype, G.device)
     safety = NORM_SAFETY[coefficients]
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
-        X = _normalise(Gw[start:stop], safety, eps, work.x[: stop - start])
+        X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start])
         # The last step writes straight into `out` when no cast is needed.
-        final = out[start:stop] if out_dtype == dtype else None
+        final = out3[start:stop] if out.dtype == dtype else None
         X = _iterate(X, coeffs, work, final)
         if final is None:
-            out[start:stop].copy_(X)
-    out = out.view(*lead, m, n)
-    return out.mT if tall else out
+            out3[start:stop].copy_(X)
+    return out
 
 
 # On CPU a batched GEMM streams the whole batch through memory once per operand, so a batch
 # larger than the caches turns the small elementwise parts of each step (the beta * C of
 # baddbmm, the normalisation) into DRAM traffic. Measured on 2 Zen 5 cores (1 MB L2 each,
-# 32 MB L3) with gpt_small's 384 x 384 and 384 x 1024 matrices: runs with a working set of
-# about 8 MB were 10-17% faster than one batch of 18-24 and 5-10% faster than one matrix at a
-# time. GPUs get no limit: there, fewer and larger kernels win.
+# 32 MB L3) with gpt_small's 384 x 384 and 384 x 1024 matrices in bf16: runs with a working
+# set of about 8 MB were 10-17% faster than one batch of 18-24 matrices, and 5-10% faster than
+# one matrix at a time. GPUs get no limit: there, fewer and larger kernels win.
 CPU_WORKING_SET_BYTES = 8 << 20
-# Below this many rows the symmetric block products cost more in launches than they save.
+# Below this many rows per block the symmetric block products cost more than they save.
 _SYMMETRIC_BLOCK_ROWS = 64
 
 
@@ -167,27 +168,54 @@ def batch_chunk(m: int, n: int, dtype: torch.dtype, device: torch.device | str) 
 
 
 class _Workspace:
-    """Buffers of one run: X and X' [B, m, n], A and B [B, m, m]; reused across runs."""
+    """Buffers of one run: X and X' [B, rows, cols], A and B [B, m, m] (m = min side)."""
 
-    def __init__(self, bsz: int, m: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.x = torch.empty(bsz, m, n, dtype=dtype, device=device)
+    def __init__(self, bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        m = min(rows, cols)
+        self.tall = rows > cols
+        self.x = torch.empty(bsz, rows, cols, dtype=dtype, device=device)
         self.y = torch.empty_like(self.x)
         self.a = torch.empty(bsz, m, m, dtype=dtype, device=device)
         self.b = torch.empty_like(self.a)
-        self.blocks = _symmetric_blocks(m, dtype, torch.device(device))
+        self.blocks = _symmetric_blocks(m, dtype, device)
+
+
+# CPU workspaces are kept between calls, one per (rows, cols, dtype) and thread, the 8 most
+# recently used (each at most about CPU_WORKING_SET_BYTES): freshly allocated multi-MB
+# buffers come back from the OS as new pages, and those page faults measured ~15% of an
+# optimizer step. GPUs have a caching allocator instead.
+_CPU_WORKSPACES = threading.local()
+_CPU_WORKSPACES_KEPT = 8
+
+
+def _workspace(bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> _Workspace:
+    device = torch.device(device)
+    if device.type != "cpu":
+        return _Workspace(bsz, rows, cols, dtype, device)
+    cache = getattr(_CPU_WORKSPACES, "cache", None)
+    if cache is None:
+        cache = _CPU_WORKSPACES.cache = OrderedDict()
+    key = (rows, cols, dtype)
+    work = cache.pop(key, None)
+    if work is None or work.x.shape[0] < bsz:
+        work = _Workspace(bsz, rows, cols, dtype, device)
+    cache[key] = work
+    while len(cache) > _CPU_WORKSPACES_KEPT:
+        cache.popitem(last=False)
+    return work
 
 
 def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int]] | None:
     """Row blocks for computing only the upper block triangle of the symmetric A and B.
 
-    A = X X^T and B = b A + c A A are symmetric, so block row i only needs columns from
+    A = X X^T and B = b A + c A A are symmetric, so block row i only needs the columns from
     block i on; the rest is mirrored. With k blocks that is (k + 1) / 2k of the FLOPs of the
     full products. Kept only where it measured faster: fp32 / fp64 on CPU, where it cut the
     whole iteration's time by 15-18% for m = 384 (k = 6). bf16 on CPU got 5-15% slower (the
     oneDNN bf16 GEMM loses more efficiency on the thinner blocks than the FLOPs save), and on
     GPUs one large GEMM beats many small ones.
     """
-    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64):
         return None
     k = m // _SYMMETRIC_BLOCK_ROWS
     if k < 2:
@@ -208,23 +236,25 @@ def _normalise(G: Tensor, safety: float, eps: float, out: Tensor) -> Tensor:
 def _iterate(
     X: Tensor, coeffs: Sequence[Coefficient], work: _Workspace, final: Tensor | None = None
 ) -> Tensor:
-    """The quintic iteration on a contiguous wide batch X [B, m, n] (clobbers X's buffer).
+    """The quintic iteration on a contiguous batch X [B, rows, cols] (clobbers X's buffer).
 
-    Per step, three batched GEMMs with the scalars fused into them:
-    A = X X^T; B = b A + c A A (one baddbmm); X' = a X + B X (one baddbmm). The last step
-    writes into `final` when given. Returns the result.
+    Per step, three batched GEMMs with the scalars fused into them. Wide X:
+    A = X X^T; B = b A + c A A (one baddbmm); X' = a X + B X (one baddbmm).
+    Tall X, the same transposed: A = X^T X; B as above; X' = a X + X B (B is symmetric).
+    The last step writes into `final` when given. Returns the result.
     """
     bsz = X.shape[0]
     A, B, Y = work.a[:bsz], work.b[:bsz], work.y[:bsz]
-    blocks = work.blocks
+    tall, blocks = work.tall, work.blocks
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
+        W = X.mT if tall else X  # wide view: A = W W^T either way
         if blocks is None:
-            torch.bmm(X, X.mT, out=A)
+            torch.bmm(W, W.mT, out=A)
             torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         else:
-            for r0, r1 in blocks:  # upper block triangle of A = X X^T, then mirror
-                torch.bmm(X[:, r0:r1], X[:, r0:].mT, out=A[:, r0:r1, r0:])
+            for r0, r1 in blocks:  # upper block triangle of A = W W^T, then mirror
+                torch.bmm(W[:, r0:r1], W[:, r0:].mT, out=A[:, r0:r1, r0:])
                 A[:, r1:, r0:r1] = A[:, r0:r1, r1:].mT
             for r0, r1 in blocks:  # same for B = b A + c A A
                 torch.baddbmm(
@@ -232,6 +262,9 @@ def _iterate(
                 )
                 B[:, r1:, r0:r1] = B[:, r0:r1, r1:].mT
         dst = final if (i == last and final is not None) else Y
-        torch.baddbmm(X, B, X, beta=a, out=dst)
+        if tall:
+            torch.baddbmm(X, X, B, beta=a, out=dst)
+        else:
+            torch.baddbmm(X, B, X, beta=a, out=dst)
         X, Y = dst, X
     return X
