@@ -11,11 +11,11 @@ Parameters are 2-D [out, in] or 3-D [E, out, in] (E independent expert matrices)
 may set `split_rows=h`: each block of h rows of a [R, C] matrix (one attention head) is then
 orthogonalised on its own and scaled with (h, C).
 
-Batching: in one step() every matrix with the same oriented shape (min side, max side),
-dtype, device and Newton-Schulz settings is stacked, across parameters and param groups,
-into one [N, m, n] tensor and orthogonalised by a single batched newton_schulz call. Tall
-matrices enter the stack transposed; Newton-Schulz of a tall matrix is defined as the
-transpose of Newton-Schulz of its transpose, so this equals per-matrix processing.
+Batching: in one step() every matrix with the same shape (rows, cols), dtype, device and
+Newton-Schulz settings is stacked, across parameters and param groups, into one
+[N, rows, cols] tensor and orthogonalised by a single batched newton_schulz call (on CPU:
+one call per cache-sized run of matrices, see newton_schulz.batch_chunk). Each matrix is
+normalised on its own, so this equals per-matrix processing.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from optim.newton_schulz import (
     momentum_update,
     muon_scale,
     newton_schulz,
+    reusable_buffer,
 )
 from optim.newton_schulz_tp import newton_schulz_sharded
 
@@ -244,11 +245,11 @@ class Muon(torch.optim.Optimizer):
                     key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, *ns_key)
                     tp_stacks.setdefault(key, []).append(item)
                     continue
-                key = (min(rows, cols), max(rows, cols), p.dtype, p.device, *ns_key)
+                key = (rows, cols, p.dtype, p.device, *ns_key)
                 stacks.setdefault(key, []).append(item)
 
-        for (m, n, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
-            self._step_stack(items, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+        for (rows, cols, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
+            self._step_stack(items, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
         for (rows, cols, split, _, _, dtype, device, *ns), items in tp_stacks.items():
             self._step_tp_stack(items, split, *ns)
         return loss
@@ -290,8 +291,8 @@ class Muon(torch.optim.Optimizer):
     @staticmethod
     def _step_stack(
         items: list[_Item],
-        m: int,
-        n: int,
+        rows: int,
+        cols: int,
         dtype: torch.dtype,
         device: torch.device,
         steps: int,
@@ -299,27 +300,28 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype,
         eps: float,
     ) -> None:
-        """Momentum into [N, m, n] stacks, batched Newton-Schulz, per-parameter updates.
+        """All rows x cols matrices of one step and setting: momentum into [N, rows, cols]
+        stacks, batched Newton-Schulz, per-parameter updates.
 
         Off CPU all N matrices form one stack and go through one newton_schulz call. On CPU
         the items are cut into runs of about batch_chunk(...) matrices, each carried from
         momentum to parameter update while its data is still in cache (see batch_chunk).
         """
-        limit = batch_chunk(m, n, ns_dtype, device)
+        limit = batch_chunk(min(rows, cols), max(rows, cols), ns_dtype, device)
         run: list[_Item] = []
         for it in items:
             run.append(it)
             if limit is not None and sum(r.k for r in run) >= limit:
-                _step_run(run, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+                _step_run(run, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
                 run = []
         if run:
-            _step_run(run, m, n, dtype, device, steps, coefficients, ns_dtype, eps)
+            _step_run(run, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
 
 
 def _step_run(
     items: list[_Item],
-    m: int,
-    n: int,
+    rows: int,
+    cols: int,
     dtype: torch.dtype,
     device: torch.device,
     steps: int,
@@ -327,35 +329,30 @@ def _step_run(
     ns_dtype: torch.dtype,
     eps: float,
 ) -> None:
-    """Momentum into one [N, m, n] stack, one batched Newton-Schulz, per-parameter updates."""
+    """Momentum into one [N, rows, cols] stack, one batched Newton-Schulz, the updates."""
     total = sum(it.k for it in items)
-    stack = torch.empty(total, m, n, dtype=dtype, device=device)
+    # In the parameters' dtype: the Newton-Schulz input, then (in place) its output, so that
+    # the update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
+    stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device)
     offset = 0
     for it in items:
-        dst = stack[offset : offset + it.k]
-        if it.rows > it.cols:
-            dst = dst.mT  # tall matrices are stored transposed, i.e. wide
         momentum_update(
             matrix_view(it.buf, it.k, it.rows, it.cols),
             matrix_view(it.grad, it.k, it.rows, it.cols),
             it.group["momentum"],
             it.group["nesterov"],
-            out=dst,
+            out=stack[offset : offset + it.k],
         )
         offset += it.k
-    # Keep the result in ns_dtype: the update below reads it once, casting on the fly.
-    ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
+    ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out=stack)
 
     offset = 0
     for it in items:
         upd = ortho[offset : offset + it.k]
-        if it.rows > it.cols:
-            upd = upd.mT
         offset += it.k
         lr, wd = it.group["lr"], it.group["weight_decay"]
         scale = muon_scale(it.rows, it.cols, it.group["adjust_lr"])
         _apply_update(it.param, upd, it.k, it.rows, it.cols, lr, wd, -lr * scale)
-
 
 
 def _apply_update(

@@ -134,7 +134,7 @@ def newton_schulz(
     batch = G.numel() // (rows * cols)
     G3, out3 = G.reshape(batch, rows, cols), out.view(batch, rows, cols)
     chunk = min(batch, batch_chunk(min(rows, cols), max(rows, cols), dtype, G.device) or batch)
-    work = _workspace(chunk, rows, cols, dtype, G.device)
+    work = _Workspace(chunk, rows, cols, dtype, G.device)
     safety = NORM_SAFETY[coefficients]
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
@@ -173,36 +173,41 @@ class _Workspace:
     def __init__(self, bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
         m = min(rows, cols)
         self.tall = rows > cols
-        self.x = torch.empty(bsz, rows, cols, dtype=dtype, device=device)
-        self.y = torch.empty_like(self.x)
-        self.a = torch.empty(bsz, m, m, dtype=dtype, device=device)
-        self.b = torch.empty_like(self.a)
+        self.x = reusable_buffer("ns.x", bsz, rows, cols, dtype, device)
+        self.y = reusable_buffer("ns.y", bsz, rows, cols, dtype, device)
+        self.a = reusable_buffer("ns.a", bsz, m, m, dtype, device)
+        self.b = reusable_buffer("ns.b", bsz, m, m, dtype, device)
         self.blocks = _symmetric_blocks(m, dtype, device)
 
 
-# CPU workspaces are kept between calls, one per (rows, cols, dtype) and thread, the 8 most
-# recently used (each at most about CPU_WORKING_SET_BYTES): freshly allocated multi-MB
-# buffers come back from the OS as new pages, and those page faults measured ~15% of an
-# optimizer step. GPUs have a caching allocator instead.
-_CPU_WORKSPACES = threading.local()
-_CPU_WORKSPACES_KEPT = 8
+# CPU scratch buffers are kept between calls (per thread, the 32 most recently used; each at
+# most a few MB when batch_chunk bounds the batch): freshly allocated multi-MB buffers come
+# back from the OS as new pages, and those page faults measured ~15% of an optimizer step.
+# GPUs have a caching allocator instead.
+_CPU_BUFFERS = threading.local()
+_CPU_BUFFERS_KEPT = 32
 
 
-def _workspace(bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> _Workspace:
+def reusable_buffer(
+    tag: str, bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
+    """An uninitialised contiguous [bsz, rows, cols] tensor. On CPU, its memory is reused by
+    the next call with the same tag, rows, cols and dtype (so callers must be done with it by
+    then); elsewhere it is a fresh tensor."""
     device = torch.device(device)
     if device.type != "cpu":
-        return _Workspace(bsz, rows, cols, dtype, device)
-    cache = getattr(_CPU_WORKSPACES, "cache", None)
+        return torch.empty(bsz, rows, cols, dtype=dtype, device=device)
+    cache = getattr(_CPU_BUFFERS, "cache", None)
     if cache is None:
-        cache = _CPU_WORKSPACES.cache = OrderedDict()
-    key = (rows, cols, dtype)
-    work = cache.pop(key, None)
-    if work is None or work.x.shape[0] < bsz:
-        work = _Workspace(bsz, rows, cols, dtype, device)
-    cache[key] = work
-    while len(cache) > _CPU_WORKSPACES_KEPT:
+        cache = _CPU_BUFFERS.cache = OrderedDict()
+    key = (tag, rows, cols, dtype)
+    buf = cache.pop(key, None)
+    if buf is None or buf.shape[0] < bsz:
+        buf = torch.empty(bsz, rows, cols, dtype=dtype, device=device)
+    cache[key] = buf
+    while len(cache) > _CPU_BUFFERS_KEPT:
         cache.popitem(last=False)
-    return work
+    return buf[:bsz]
 
 
 def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int]] | None:

@@ -43,6 +43,24 @@ class OptimizerSet:
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
 
+    def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """{parameter name: (parameter, its optimizer state)} as this rank holds them (TP-local,
+        whole over DP). Collective in subclasses that shard state over DP."""
+        out = {}
+        for name, p in model.named_parameters():
+            for opt in self.optimizers.values():
+                if p in opt.state and opt.state[p]:
+                    out[name] = (p, {k: v for k, v in opt.state[p].items() if torch.is_tensor(v)})
+        return out
+
+    def load_local_state(self, model: torch.nn.Module, local: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Install per-parameter state (TP-local, whole over DP), e.g. from a checkpoint."""
+        params = dict(model.named_parameters())
+        for name, state in local.items():
+            p = params[name]
+            opt = next(o for o in self.optimizers.values() if any(p is q for g in o.param_groups for q in g["params"]))
+            opt.state[p] = {k: v.clone() for k, v in state.items()}
+
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for opt in self.optimizers.values():
             for per_param in opt.state.values():

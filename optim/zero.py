@@ -151,6 +151,54 @@ class ZeroOptimizer(OptimizerSet):
                 self.flat[s.offset : s.offset + s.length]
             )
 
+    def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """Per-parameter state, whole over DP: each rank contributes what it owns (zeros
+        elsewhere) and one sum over DP assembles it. Collective."""
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for tensor, s in self._owned:
+            for opt in self.optimizers.values():
+                state = opt.state.get(tensor)
+                if not state:
+                    continue
+                p, name = self.params[s.param], names[s.param]
+                entry = slots.setdefault(name, {})
+                for key, value in state.items():
+                    if key == "step":
+                        entry["step"] = value.detach().clone().float()
+                        continue
+                    full = entry.setdefault(key, torch.zeros(p.numel(), device=p.device))
+                    full[s.start : s.start + s.length] = value.reshape(-1)
+        # Agree on which entries exist, then assemble them with one all-reduce per key.
+        present = [None] * self.mesh.dp
+        wanted = sorted((n, k) for n, e in slots.items() for k in e)
+        if self.mesh.dp > 1:
+            torch.distributed.all_gather_object(present, wanted, group=self.mesh.dp_group)
+        else:
+            present = [wanted]
+        out = {}
+        for name, key in sorted({item for items in present for item in items}):
+            p = self.params[names.index(name)]
+            value = slots.get(name, {}).get(key)
+            if value is None:
+                value = torch.zeros((), device=p.device) if key == "step" else torch.zeros(p.numel(), device=p.device)
+            op = torch.distributed.ReduceOp.MAX if key == "step" else torch.distributed.ReduceOp.SUM
+            value = all_reduce(value, self.mesh.dp_group, op=op)
+            out.setdefault(name, (p, {}))[1][key] = value if key == "step" else value.view(p.shape)
+        return out
+
+    def load_local_state(self, model: torch.nn.Module, local: dict[str, dict[str, torch.Tensor]]) -> None:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        for tensor, s in self._owned:
+            entry = local.get(names[s.param])
+            if not entry:
+                continue
+            opt = self.optimizers["muon" if tensor is self.params[s.param] else "adamw"]
+            opt.state[tensor] = {
+                k: v.clone() if k == "step" else v.reshape(-1)[s.start : s.start + s.length].clone().view(tensor.shape)
+                for k, v in entry.items()
+            }
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

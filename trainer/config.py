@@ -74,6 +74,17 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save every `interval` steps (0: only at the end of the run) into <run_dir>/checkpoints.
+    interval: int = 500
+    # "auto": continue from the newest good checkpoint in this run dir if there is one;
+    # "none": always start fresh; or the path of a step_*.pt file to continue from.
+    resume: str = "auto"
+    # Keep the newest `keep` checkpoints.
+    keep: int = 3
+
+
+@dataclass
 class TrainConfig:
     # Names the run: outputs/<name>/<date-time>.
     name: str = "run"
@@ -85,6 +96,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register_configs() -> None:
@@ -157,3 +169,5 @@ def validate(cfg: TrainConfig) -> None:
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
     _positive("parallel.tp", cfg.parallel.tp)
+    _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)

@@ -21,6 +21,7 @@ from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
 from optim.builder import build_optimizer
 from optim.schedule import lr_at
+from trainer import checkpoint
 from trainer import device as dev
 from trainer.config import TrainConfig
 from trainer.mesh import Mesh, init_mesh
@@ -76,6 +77,11 @@ class Trainer:
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
         self.eval_sets = self._eval_sets()
         self.step = 0
+        self.checkpoint_dir = run_dir / "checkpoints"
+        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
+        if resumed is not None:
+            checkpoint.restore(self, resumed)
+            log.info("resumed from step %d", self.step)
         if self.mesh.is_main:
             log.info(
                 "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step",
@@ -143,6 +149,10 @@ class Trainer:
         self.step += 1
         return stats
 
+    def save_checkpoint(self) -> None:
+        resolved = asdict(replace(self.cfg, model=self.model_cfg))
+        checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, resolved)
+
     def evaluate(self) -> dict[str, float]:
         metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
         metrics.update(
@@ -188,6 +198,9 @@ class Trainer:
                         f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
                     ))
                     metrics.update(eval_metrics)
+                interval = cfg.checkpoint.interval
+                if is_last or (interval > 0 and done % interval == 0):
+                    self.save_checkpoint()
                 if metrics:
                     if sinks is not None:
                         sinks.log(done, done * self.tokens_per_step, metrics)

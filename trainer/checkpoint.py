@@ -1,0 +1,196 @@
+"""Checkpoints in a layout-independent form: save at one (DP, TP), resume at any other.
+
+A checkpoint holds full logical tensors, as a single-process run would have them: every
+parameter (TP shards gathered, vocabulary padding dropped), every persistent buffer (MoE
+expert biases), and the optimizer state per parameter (Muon momentum; AdamW moments and
+step), assembled from the ZeRO-1 shards. Plus step, RNG states of every rank and the
+resolved config. The data loader needs only the step (its batches are a function of seed
+and step) and the schedule is a function of the step too.
+
+Files: <run_dir>/checkpoints/step_<N>.pt, each with a <name>.sha256 manifest, and a
+`latest` pointer written last. Every file is written atomically (temp name, fsync, rename),
+so a crash at any moment leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.atomic import atomic_output
+from model.comm import group_rank, group_size
+from model.tp_ops import gather_from_tp
+
+log = logging.getLogger("checkpoint")
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file it concerns."""
+
+
+def to_logical(local: torch.Tensor, split_dim: Optional[int], rows: int, tp_group) -> torch.Tensor:
+    """The full tensor of a TP-local shard (padding rows past `rows` dropped)."""
+    if split_dim is None or group_size(tp_group) == 1:
+        return local.detach().clone()
+    full = gather_from_tp(local.detach().contiguous(), split_dim, tp_group)
+    return full[:rows] if split_dim == 0 else full
+
+
+def to_local(full: torch.Tensor, like: torch.Tensor, split_dim: Optional[int], tp_group) -> torch.Tensor:
+    """This rank's TP shard of a full tensor, zero-padding rows as the local layout needs."""
+    tp = group_size(tp_group)
+    if split_dim is None or tp == 1:
+        return full.to(like.dtype)
+    if split_dim == 0 and full.shape[0] < like.shape[0] * tp:
+        pad = full.new_zeros(like.shape[0] * tp - full.shape[0], *full.shape[1:])
+        full = torch.cat([full, pad])
+    return full.chunk(tp, dim=split_dim)[group_rank(tp_group)].to(like.dtype).contiguous()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def logical_state(trainer) -> dict[str, Any]:
+    """The trainer's whole state as full logical tensors. Collective: every rank calls it."""
+    model, mesh = trainer.model, trainer.mesh
+    logical_rows = {n: _logical_rows(trainer, n, p) for n, p in model.named_parameters()}
+    params = {n: to_logical(p, getattr(p, "tp_split_dim", None), logical_rows[n], mesh.tp_group)
+              for n, p in model.named_parameters()}
+    names = set(params)
+    buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names}
+    optim = {
+        name: {key: to_logical(t, getattr(param, "tp_split_dim", None), logical_rows[name], mesh.tp_group)
+               if t.ndim > 0 else t.clone() for key, t in state.items()}
+        for name, (param, state) in trainer.optimizer.local_state(model).items()
+    }
+    rng = [None] * mesh.world_size
+    if mesh.world_size > 1:
+        dist.all_gather_object(rng, _rng_state())
+    else:
+        rng = [_rng_state()]
+    return {"format": FORMAT_VERSION, "step": trainer.step, "params": params, "buffers": buffers,
+            "optim": optim, "rng": rng, "mesh": {"dp": mesh.dp, "tp": mesh.tp}}
+
+
+def _logical_rows(trainer, name: str, param: torch.Tensor) -> int:
+    if name in ("embed.weight", "head.weight"):
+        return trainer.model_cfg.vocab_size  # TP pads these rows; the padding is not saved
+    split = getattr(param, "tp_split_dim", None)
+    return param.shape[0] * (group_size(trainer.mesh.tp_group) if split == 0 else 1)
+
+
+def save(trainer, directory: Path, keep: int, config: dict[str, Any]) -> Optional[Path]:
+    """Write a checkpoint of the current step (rank 0 writes; every rank must call)."""
+    state = logical_state(trainer)
+    if not trainer.mesh.is_main:
+        return None
+    state["config"] = config
+    path = directory / f"step_{trainer.step:08d}.pt"
+    with atomic_output(path) as f:
+        torch.save(state, f)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with atomic_output(path.with_suffix(".sha256")) as f:
+        f.write(f"{digest}  {path.name}\n".encode())
+    with atomic_output(directory / "latest") as f:
+        f.write(path.name.encode())
+    for old in sorted(directory.glob("step_*.pt"))[:-keep] if keep > 0 else []:
+        old.unlink()
+        old.with_suffix(".sha256").unlink(missing_ok=True)
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read and verify a checkpoint; CheckpointError names the file when it is unusable."""
+    manifest = path.with_suffix(".sha256")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not manifest.exists():
+        raise CheckpointError(f"{path}: its manifest {manifest.name} is missing (incomplete checkpoint)")
+    expected = manifest.read_text().split()[0]
+    if hashlib.sha256(path.read_bytes()).hexdigest() != expected:
+        raise CheckpointError(f"{path}: checksum does not match {manifest.name} (truncated or corrupted)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a file that verifies but does not unpickle is still unusable
+        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {state.get('format')} is not {FORMAT_VERSION}")
+    return state
+
+
+def find_resume(resume: str, directory: Path) -> Optional[dict[str, Any]]:
+    """`none`: start fresh. A path: that checkpoint (errors are fatal). `auto`: the newest
+    checkpoint in `directory` that verifies, falling back to older ones (and saying so)."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        return load(Path(resume))
+    candidates = sorted(directory.glob("step_*.pt"), reverse=True)
+    latest = directory / "latest"
+    if latest.exists():
+        named = directory / latest.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    for path in candidates:
+        try:
+            return load(path)
+        except CheckpointError as err:
+            log.warning("skipping unusable checkpoint: %s", err)
+    return None
+
+
+def restore(trainer, state: dict[str, Any]) -> None:
+    """Load a logical checkpoint into a trainer of any (DP, TP) layout."""
+    model, mesh = trainer.model, trainer.mesh
+    params = dict(model.named_parameters())
+    expected = {n: (_logical_rows(trainer, n, p),) + tuple(_full_tail(p, mesh)) for n, p in params.items()}
+    found = {n: tuple(t.shape) for n, t in state["params"].items()}
+    differing = sorted(n for n in set(expected) | set(found) if expected.get(n) != found.get(n))
+    if differing:
+        details = ", ".join(f"{n}: checkpoint {found.get(n)} vs model {expected.get(n)}" for n in differing[:8])
+        raise CheckpointError(f"checkpoint does not fit this model; differing keys: {details}")
+    buffers = {k for k in model.state_dict() if k not in params}
+    if buffers != set(state["buffers"]):
+        raise CheckpointError(f"checkpoint buffers differ: {sorted(buffers ^ set(state['buffers']))}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(to_local(state["params"][n], p, getattr(p, "tp_split_dim", None), mesh.tp_group))
+        for k, v in state["buffers"].items():
+            model.get_buffer(k).copy_(v)
+    local = {
+        name: {k: to_local(v, params[name], getattr(params[name], "tp_split_dim", None), mesh.tp_group)
+               if v.ndim > 0 else v.clone() for k, v in entry.items()}
+        for name, entry in state["optim"].items()
+    }
+    trainer.optimizer.load_local_state(model, local)
+    trainer.step = state["step"]
+    same_world = len(state["rng"]) == mesh.world_size
+    _set_rng_state(state["rng"][mesh.rank if same_world else 0])
+
+
+def _full_tail(param: torch.Tensor, mesh) -> list[int]:
+    """The logical shape of `param` past dim 0 (TP splits along dim 1 or 2 undone)."""
+    shape = list(param.shape)
+    dim = getattr(param, "tp_split_dim", None)
+    if dim is not None and dim > 0:
+        shape[dim] *= group_size(mesh.tp_group)
+    return shape[1:]
