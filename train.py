@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.sources import check_data_config
 from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
-from trainer.loop import Trainer
+from trainer.loop import NonFiniteLoss, Trainer
 from trainer.mesh import check_mesh_shape, destroy_mesh, world_size_from_env
 from trainer.config import register_configs, to_dataclass, validate
 
@@ -53,6 +53,9 @@ def main(cfg: DictConfig) -> float:
     log.info("run dir: %s", run_dir)
     try:
         final = Trainer(typed, run_dir).train()
+    except NonFiniteLoss as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
     finally:
         # A multirun sweep runs the next job in this process: leave no group behind.
         destroy_mesh()

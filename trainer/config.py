@@ -35,6 +35,9 @@ class TrainerConfig:
     compile: bool = False
     # "auto" picks CUDA when available, else CPU.
     device: str = "auto"
+    # A NaN/inf loss or gradient: "skip" drops that step's update and counts it
+    # (train/skipped_steps); "stop" exits with an error, keeping the last good checkpoint.
+    nonfinite: str = "skip"
 
 
 @dataclass
@@ -132,6 +135,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     _choice("trainer.precision", t.precision, ("bf16", "fp32"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
 
     _positive("model.n_layers", m.n_layers)
     _positive("model.n_heads", m.n_heads)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,6 +33,10 @@ from trainer.sinks import MetricSinks
 log = logging.getLogger("trainer")
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradients became NaN/inf under trainer.nonfinite=stop."""
+
+
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
     """The full model from the seed alone, then this rank's TP shard of it.
 
@@ -52,6 +58,36 @@ def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
     if mesh.world_size > 1 and dev.local_rank() == 0:
         dist.barrier()
     return data
+
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
+
+
+class PreemptionFlag:
+    """Turns SIGTERM / SIGINT into a flag checked between steps, so a preempted job saves a
+    checkpoint at a step boundary instead of dying mid-step. Ranks agree on it with one
+    tiny all-reduce per step, since a signal may reach them at different steps."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def raised(self, mesh: Mesh) -> bool:
+        if mesh.world_size == 1:
+            return self.flag
+        flag = torch.tensor([float(self.flag)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -77,6 +113,7 @@ class Trainer:
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
         self.eval_sets = self._eval_sets()
         self.step = 0
+        self.skipped_steps = 0
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
         if resumed is not None:
@@ -124,6 +161,10 @@ class Trainer:
         self.model.track_output_rms = False
 
         grad_norm = self.optimizer.prepare_grads(self.cfg.optim.grad_clip)
+        # The global gradient norm is the same on every rank, so all ranks agree here. This
+        # is one host sync per step, the price of never applying a NaN/inf update.
+        if not torch.isfinite(grad_norm).item():
+            return self._nonfinite_step(loss_sum / t.grad_accum)
         stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
         if measure:
             before = self.health.snapshot()
@@ -149,6 +190,19 @@ class Trainer:
         self.step += 1
         return stats
 
+    def _nonfinite_step(self, loss: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        self.optimizer.zero_grad()
+        self.model.track_output_rms = False
+        if self.cfg.trainer.nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"non-finite loss/gradients at step {self.step + 1} (loss {loss.item()}); stopping "
+                f"with trainer.nonfinite=stop. The last good checkpoint is in {self.checkpoint_dir}"
+            )
+        self.skipped_steps += 1
+        log.warning("step %d: non-finite gradients, step skipped (%d so far)", self.step + 1, self.skipped_steps)
+        self.step += 1
+        return {"train/loss": loss, "train/skipped_steps": float(self.skipped_steps)}
+
     def save_checkpoint(self) -> None:
         resolved = asdict(replace(self.cfg, model=self.model_cfg))
         checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, resolved)
@@ -172,8 +226,13 @@ class Trainer:
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0
         COMM.reset()
+        preemption = PreemptionFlag()
         try:
             while self.step < t.max_steps:
+                if preemption.raised(mesh):
+                    progress.message(f"preempted: saving a checkpoint at step {self.step} and exiting")
+                    self.save_checkpoint()
+                    raise SystemExit(PREEMPTED_EXIT_CODE)
                 done = self.step + 1
                 is_last = done == t.max_steps
                 measure = done % cfg.logger.interval == 0 or is_last
@@ -209,6 +268,7 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                     COMM.reset()
         finally:
+            preemption.restore()
             progress.close()
             if sinks is not None:
                 sinks.close()
