@@ -5,8 +5,9 @@
 gpt_small: 6 layers, d_model 384, 6 heads of 64, 6 KV heads, ffn_hidden 1024; per layer
 wq, wk, wv, wo [384, 384], w_gate, w_up [1024, 384], w_down [384, 1024] (42 matrices).
 
-Measured in one run, all timings interleaved (every repeat steps each contender once, in
-turn, so background load hits them alike) and reported as medians:
+Measured in one run, all timings interleaved (every round steps each contender once, in
+turn, so slow drifts hit them alike; rounds during which other processes used the CPU are
+redone, see interleaved_times) and reported as medians:
   * optimizer step time, ours vs torch.optim.Muon, with Newton-Schulz in bf16 and in fp32.
     torch.optim.Muon always runs its iteration in bf16 (it calls grad.bfloat16()); its fp32
     row runs torch's own code with that one cast made an fp32 copy instead (see _Fp32Instead).
@@ -30,10 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import importlib  # noqa: E402
+
 import torch.optim._muon as torch_muon_module  # noqa: E402
 
 from optim.muon import Muon  # noqa: E402
 from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
+
+ns_module = importlib.import_module("optim.newton_schulz")
 
 GPT_SMALL = dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024)
 LR, WD = 3e-3, 0.1
@@ -58,19 +63,30 @@ def gpt_small_shapes() -> list[tuple[str, tuple[int, int]]]:
 
 
 def machine_info() -> dict[str, str]:
-    model, flags = "unknown", set()
+    fields: dict[str, str] = {}
+    flags: set[str] = set()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "flags" and not flags:
+                flags = set(value.split())
+            elif key in ("model name", "cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        with contextlib.suppress(OSError):
+            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+            size, shared = (index / "size").read_text().strip(), (index / "shared_cpu_list").read_text().strip()
+            caches.append(f"L{level} {kind.lower()} {size} (cpus {shared})")
     isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": model,
+        "cpu": f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, "
+               f"model {fields.get('model', '?')}, stepping {fields.get('stepping', '?')})",
         "cpu flags (matmul)": " ".join(isa) or "-",
+        "caches (cpu0)": "; ".join(caches) or "unknown",
         "logical cpus": str(os.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
@@ -107,10 +123,10 @@ FOREIGN_LIMIT = 0.10  # cores' worth of other processes' CPU time tolerated duri
 ROUND_STATS = {"kept": 0, "redone": 0}
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
-) -> dict[str, float]:
-    """Median seconds per call of each fn; each round calls every fn once, in turn.
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn, one entry per round; each round calls every fn once.
 
     This machine may be shared: a round during which other processes used more than
     FOREIGN_LIMIT of a core (from /proc/stat minus our own CPU time) is thrown away and
@@ -141,7 +157,18 @@ def interleaved_medians(
         ROUND_STATS["kept"] += 1
         for name, secs in took.items():
             times[name].append(secs)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
+) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, warmup, repeats, device).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of time(a) / time(b): robust to drifts that hit a whole round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -171,6 +198,17 @@ class TorchMuonFp32(torch.optim.Muon):
             return super().step(closure)
         finally:
             torch_muon_module._zeropower_via_newtonschulz = _torch_ns
+
+
+class OneStackPerShape(Muon):
+    """Our Muon without the CPU cache-sized runs: one stack and one call per shape."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        saved, ns_module.CPU_WORKING_SET_BYTES = ns_module.CPU_WORKING_SET_BYTES, None
+        try:
+            return super().step(closure)
+        finally:
+            ns_module.CPU_WORKING_SET_BYTES = saved
 
 
 class PerMatrix:
@@ -215,12 +253,11 @@ def ns_flops(m: int, n: int, steps: int) -> int:
     return steps * per_step + 3 * m * n
 
 
-def oriented_stacks(shapes) -> dict[tuple[int, int], int]:
-    """{(m, n): count} of the wide (min side, max side) shapes Newton-Schulz works on."""
+def shape_stacks(shapes) -> dict[tuple[int, int], int]:
+    """{(rows, cols): count}: the stacks our Muon forms."""
     out: dict[tuple[int, int], int] = {}
-    for _, (r, c) in shapes:
-        key = (min(r, c), max(r, c))
-        out[key] = out.get(key, 0) + 1
+    for _, rc in shapes:
+        out[rc] = out.get(rc, 0) + 1
     return out
 
 
@@ -253,7 +290,7 @@ def main() -> None:
         print(f"- {k}: {v}")
     n_params = sum(r * c for _, (r, c) in shapes)
     print(f"\ngpt_small Muon matrices: {len(shapes)} ({n_params / 1e6:.2f}M parameters), "
-          f"oriented stacks {oriented_stacks(shapes)}; lr {LR}, weight decay {WD}, "
+          f"stacks {shape_stacks(shapes)}; lr {LR}, weight decay {WD}, "
           f"momentum 0.95 Nesterov, {steps} classic Newton-Schulz steps, adjust_lr match_rms_adamw.")
     print(f"Timings: {args.warmup} warmup + {args.repeats} interleaved repeats, median.\n")
 
@@ -265,17 +302,25 @@ def main() -> None:
                     eps=1e-7, adjust_lr_fn="match_rms_adamw")
     for label, ns in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         contenders[f"ours {label}"] = Muon(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
+        contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
         contenders[f"torch {label}"] = torch_cls(make_params(shapes, device), **kw_torch).step
-    t = interleaved_medians(contenders, args.warmup, args.repeats, device)
+    times = interleaved_times(contenders, args.warmup, args.repeats, device)
+    t = {k: statistics.median(v) for k, v in times.items()}
 
     print("## Optimizer step (42 matrices)\n")
-    print("| NS dtype | torch.optim.Muon ms | ours ms | ours / torch | ours per-matrix ms | batching gain |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| NS dtype | torch.optim.Muon ms | ours ms | ours / torch | same, paired per round "
+          "| ours, one stack per shape ms | ours, one matrix at a time ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for label in ("bf16", "fp32"):
-        tt, to, tp = t[f"torch {label}"], t[f"ours {label}"], t[f"ours {label} per-matrix"]
-        print(f"| {label} | {tt * 1e3:.1f} | {to * 1e3:.1f} | {to / tt:.3f} | {tp * 1e3:.1f} | {tp / to:.3f}x |")
+        tt, to = t[f"torch {label}"], t[f"ours {label}"]
+        t1, tp = t[f"ours {label} one-stack"], t[f"ours {label} per-matrix"]
+        pr = paired_ratio(times, f"ours {label}", f"torch {label}")
+        print(f"| {label} | {tt * 1e3:.1f} | {to * 1e3:.1f} | **{to / tt:.3f}** | {pr:.3f} "
+              f"| {t1 * 1e3:.1f} | {tp * 1e3:.1f} |")
+    print("\n(ours: one stack per (rows, cols), processed in cache-sized runs on CPU; "
+          "'one stack per shape' switches the runs off; 'one matrix at a time' is one Muon per matrix.)")
 
     # --- state bytes ---------------------------------------------------------------------
     muon_p, adamw_p = make_params(shapes, device), make_params(shapes, device)
@@ -295,10 +340,10 @@ def main() -> None:
 
     # --- Newton-Schulz throughput ----------------------------------------------------------
     print("\n## Newton-Schulz throughput (all 42 gpt_small matrices)\n")
-    stacks = oriented_stacks(shapes)
-    flops = sum(cnt * ns_flops(m, n, steps) for (m, n), cnt in stacks.items())
+    stacks = shape_stacks(shapes)
+    flops = sum(cnt * ns_flops(min(rc), max(rc), steps) for rc, cnt in stacks.items())
     g = torch.Generator().manual_seed(1)
-    batches = {mn: torch.randn(cnt, *mn, generator=g).to(device) for mn, cnt in stacks.items()}
+    batches = {rc: torch.randn(cnt, *rc, generator=g).to(device) for rc, cnt in stacks.items()}
     singles = [(torch.randn(r, c, generator=g) * 1e-3).to(device) for _, (r, c) in shapes]
     coeffs = coefficients_for("classic", steps)[0]
 
@@ -314,20 +359,24 @@ def main() -> None:
         "ours fp32": ours(torch.float32),
         "torch fp32": theirs(_torch_ns_fp32),
     }
-    tn = interleaved_medians(fns, args.warmup, args.repeats, device)
+    ns_times = interleaved_times(fns, args.warmup, args.repeats, device)
+    tn = {k: statistics.median(v) for k, v in ns_times.items()}
     peak = {
         "bf16": matmul_peak(torch.bfloat16, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
         "fp32": matmul_peak(torch.float32, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
     }
     print(f"FLOPs per optimizer step: {flops / 1e9:.2f} GFLOP "
-          f"(per step and m x n wide matrix: 4m^2n + 2m^3 + elementwise; {steps} steps)\n")
-    print(f"| NS dtype | matmul peak GFLOP/s ({args.peak_size}^2) | impl | NS ms | NS GFLOP/s | % of peak |")
-    print("|---|---:|---|---:|---:|---:|")
+          f"(per step and m x n wide matrix: 4m^2n + 2m^3 + elementwise; {steps} steps)")
+    print("GFLOP/s below are effective: those FLOPs over the time, also for our fp32 path on "
+          "CPU, which computes only the upper block triangle of the symmetric A and B.\n")
+    print(f"| NS dtype | matmul peak GFLOP/s ({args.peak_size}^2) | impl | NS ms | NS GFLOP/s | % of peak | ours / torch, paired |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for label in ("bf16", "fp32"):
         for impl in ("ours", "torch"):
             secs = tn[f"{impl} {label}"]
             gf = flops / secs / 1e9
-            print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {100 * gf / peak[label]:.0f}% |")
+            pr = f"{paired_ratio(ns_times, f'ours {label}', f'torch {label}'):.3f}" if impl == "ours" else ""
+            print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {100 * gf / peak[label]:.0f}% | {pr} |")
     print(f"\nTiming rounds kept: {ROUND_STATS['kept']}; thrown away and redone because other "
           f"processes used > {FOREIGN_LIMIT:.0%} of a core meanwhile: {ROUND_STATS['redone']}.")
     with contextlib.suppress(OSError):

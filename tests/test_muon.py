@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 
 import pytest
 import torch
 import torch.optim._muon as torch_muon_module
 
+import optim.muon as muon_module
 from optim.muon import Muon
 
-SHAPES_2D = [(64, 32), (32, 64), (48, 48), (96, 40)]
+NS = importlib.import_module("optim.newton_schulz")
+
+# The last two take the fp32 symmetric-block path on CPU (min side >= 128).
+SHAPES_2D = [(64, 32), (32, 64), (48, 48), (96, 40), (160, 128), (128, 192)]
 
 
 class _Fp32Instead(torch.Tensor):
@@ -98,6 +103,58 @@ def test_batched_step_equals_per_parameter_optimizers(ns_dtype):
         # Bitwise equal on CPU here; GEMM blocking may depend on the batch size elsewhere,
         # and in bf16 that can flip a rounding (updates are ~2e-2, bf16 ulp there ~1e-4).
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7 if ns_dtype == "fp32" else 2e-4)
+
+
+def _count_ns_calls(monkeypatch):
+    calls = []
+    original = muon_module.newton_schulz
+
+    def counting(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return original(G, *args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "newton_schulz", counting)
+    return calls
+
+
+def test_one_batched_newton_schulz_call_per_shape(monkeypatch):
+    """Same (rows, cols) and Newton-Schulz settings: one stack, across params and groups
+    (with different lr / weight decay), and the result equals per-parameter optimizers."""
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)  # CPU runs off: one call per shape
+    calls = _count_ns_calls(monkeypatch)
+    shapes = [(48, 80), (80, 48), (48, 80), (96, 40), (80, 48), (48, 80), (2, 48, 80)]
+    together, alone = _params(shapes), _params(shapes)
+
+    def groups(ps):
+        return [
+            {"params": ps[:3], "lr": 0.02},
+            {"params": ps[3:4], "split_rows": 16},  # [96, 40] -> six [16, 40] heads
+            {"params": ps[4:], "weight_decay": 0.3},
+        ]
+
+    grads = _grads(together, steps=2)
+    kw = dict(lr=0.01, weight_decay=0.1, ns_dtype="fp32")
+    _run(Muon(groups(together), **kw), together, grads)
+    assert sorted(calls) == sorted([(5, 48, 80), (2, 80, 48), (6, 16, 40)] * 2)
+    for i, p in enumerate(alone):
+        (group,) = [g for g in groups(alone) if any(q is p for q in g["params"])]
+        _run(Muon([{**group, "params": [p]}], **kw), [p], [[g[i]] for g in grads])
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_cpu_runs_equal_one_stack(monkeypatch):
+    shapes = [(48, 80)] * 5 + [(80, 48)] * 3
+    runs, whole = _params(shapes), _params(shapes)
+    grads = _grads(runs, steps=2)
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # one matrix per run
+    calls = _count_ns_calls(monkeypatch)
+    _run(Muon(runs, lr=0.02, ns_dtype="fp32"), runs, grads)
+    assert len(calls) == 2 * 8 and all(c[0] == 1 for c in calls)
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)
+    _run(Muon(whole, lr=0.02, ns_dtype="fp32"), whole, grads)
+    for a, b in zip(runs, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
 def test_three_dim_expert_param_equals_per_expert_muon():

@@ -1,6 +1,7 @@
 """Newton-Schulz against the exact polar factor U V^T (fp64 SVD)."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -14,6 +15,9 @@ from optim.newton_schulz import (
     muon_scale,
     newton_schulz,
 )
+
+# The module itself (optim/__init__ keeps `optim.newton_schulz` free of re-exports, but be safe).
+NS = importlib.import_module("optim.newton_schulz")
 
 # Square, wide, tall, batched 3-D. Square Gaussian matrices have sigma_min / ||G||_F ~ n^-1.5,
 # far below what 5 steps can lift, so every test matrix gets a controlled spectrum: singular
@@ -84,8 +88,12 @@ def test_singular_values_in_band_and_vectors_match_svd(shape, name, dtype):
     assert rel_off.max() < (1e-5 if dtype == torch.float32 else 3e-2), rel_off
 
 
+# m >= 128: on CPU in fp32 these take the symmetric block path (see _symmetric_blocks).
+LARGE_SHAPES = [(128, 200), (200, 128), (2, 160, 160)]
+
+
 @pytest.mark.parametrize("name", ["classic", "polar_express"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + LARGE_SHAPES, ids=str)
 def test_fp32_equals_scalar_polynomial_on_the_svd(shape, name):
     """NS(G) = U diag(p(s / (||G||_F * safety + eps))) V^T, exactly up to fp32 rounding."""
     G = _matrices(shape, seed=1)
@@ -130,13 +138,54 @@ def test_batched_equals_per_matrix(shape, dtype):
     torch.testing.assert_close(batched, single, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("shape", [(3, 200, 136), (3, 136, 200)], ids=str)
+def test_symmetric_block_products_equal_full_products(shape, monkeypatch):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    assert NS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is not None
+    blocked = newton_schulz(G, 5, "polar_express", torch.float32)
+    monkeypatch.setattr(NS, "_SYMMETRIC_BLOCK_ROWS", 10**9)
+    assert NS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is None
+    full = newton_schulz(G, 5, "polar_express", torch.float32)
+    torch.testing.assert_close(blocked, full, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_runs_equal_one_batch(dtype, monkeypatch):
+    """On CPU the batch is processed in cache-sized runs; that must not change the result."""
+    G = torch.randn(7, 40, 72, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)
+    assert NS.batch_chunk(40, 72, dtype, "cpu") is None
+    whole = newton_schulz(G, 5, "classic", dtype)
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # runs of one matrix
+    assert NS.batch_chunk(40, 72, dtype, "cpu") == 1
+    runs = newton_schulz(G, 5, "classic", dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(runs, whole, rtol=0, atol=tol)
+
+
+def test_batch_chunk_has_no_limit_off_cpu():
+    assert NS.batch_chunk(384, 1024, torch.bfloat16, "meta") is None
+    assert NS.batch_chunk(384, 1024, torch.bfloat16, "cpu") >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_out_may_be_the_input(dtype, monkeypatch):
+    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # several runs through the same buffer
+    G = torch.randn(4, 72, 40, generator=torch.Generator().manual_seed(8))
+    expected = newton_schulz(G, 5, "classic", dtype)
+    inplace = G.clone()
+    assert newton_schulz(inplace, 5, "classic", dtype, out=inplace) is inplace
+    torch.testing.assert_close(inplace, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tall_is_transpose_of_wide(dtype):
     G = torch.randn(4, 40, 100, generator=torch.Generator().manual_seed(4))
     wide = newton_schulz(G, 5, "classic", dtype)
     tall = newton_schulz(G.mT.contiguous(), 5, "classic", dtype)
     assert tall.shape == (4, 100, 40)
-    # Same GEMMs on the same wide operand; only the Frobenius-norm reduction order differs.
+    # Tall matrices run the transposed iteration (X^T X, X B): the same products, but the
+    # GEMMs see transposed operands, so the fp32 summation order can differ.
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(tall, wide.mT, rtol=0, atol=tol)
 
