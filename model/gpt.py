@@ -4,7 +4,9 @@ Pre-norm RMSNorm blocks, attention with separate wq / wk / wv projections (never
 Muon can orthogonalise each on its own), rotary position embeddings, optional QK-norm,
 grouped-query attention, a SwiGLU MLP, and an LM head untied from the embedding.
 
-The model is plain single-device PyTorch. How it is parallelised lives elsewhere.
+The model is plain single-device PyTorch. How it is parallelised lives elsewhere. For
+generation, `forward` optionally takes a `KVCache`: each call then appends its tokens' keys
+and values and attends over everything cached so far.
 """
 from __future__ import annotations
 
@@ -56,6 +58,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+class LayerKV:
+    """One layer's cached keys and values [B, n_kv_heads, max_len, head_dim], allocated on the
+    first append (so it takes the shapes, dtype and device of whatever layer fills it)."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, H, T, D] after the cached positions; return all keys and values so far."""
+        if self.k is None:
+            batch, heads, _, dim = k.shape
+            self.k = k.new_empty(batch, heads, self.max_len, dim)
+            self.v = v.new_empty(batch, heads, self.max_len, dim)
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {end} were asked for")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens already processed, for generation.
+
+    Preallocated to `max_len` positions, so decoding a token writes in place instead of
+    concatenating (which would copy the whole cache at every step).
+    """
+
+    def __init__(self, n_layers: int, max_len: int) -> None:
+        self.layers = [LayerKV(max_len) for _ in range(n_layers)]
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the position of the next token."""
+        return self.layers[0].length
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -75,6 +119,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         max_logit_out: Optional[list[torch.Tensor]] = None,
+        kv: Optional[LayerKV] = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -85,11 +130,28 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if max_logit_out is not None:
             max_logit_out.append(causal_max_logit(q, k))
+        mask, causal = None, True
+        if kv is not None:
+            start = kv.length
+            k, v = kv.append(k, v)
+            # SDPA's is_causal aligns the mask to the top-left, which is wrong once queries
+            # start after cached keys: query i (position start + i) sees keys 0..start + i.
+            # A single new token sees every key, so it needs no mask at all.
+            causal = start == 0
+            if not causal and seq > 1:
+                mask = cached_causal_mask(start, seq, x.device)
         # GQA: each kv head serves n_heads / n_kv_heads query heads.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
         )
         return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def cached_causal_mask(start: int, seq: int, device: torch.device) -> torch.Tensor:
+    """[seq, start + seq] boolean mask: query i (at position start + i) sees keys 0..start + i."""
+    keys = torch.arange(start + seq, device=device)
+    queries = torch.arange(start, start + seq, device=device)
+    return keys[None, :] <= queries[:, None]
 
 
 def causal_max_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -145,8 +207,9 @@ class Block(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         max_logit_out: Optional[list[torch.Tensor]] = None,
+        kv: Optional[LayerKV] = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, max_logit_out)
+        x = x + self.attn(self.attn_norm(x), cos, sin, max_logit_out, kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -187,16 +250,21 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         max_logit_out: Optional[list[torch.Tensor]] = None,
+        cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] when targets is None, else the mean cross-entropy loss.
 
         If `max_logit_out` is a list, each block appends its attention's max logit to it.
+        With a `cache`, idx continues the cached tokens: its positions start at cache.length.
         """
         seq = idx.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        start = 0 if cache is None else cache.length
+        if start + seq > self.cfg.max_seq_len:
+            raise ValueError(f"{start + seq} positions exceed model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[start : start + seq], self.rope_sin[start : start + seq]
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, max_logit_out)
+            x = block(x, cos, sin, max_logit_out, None if cache is None else cache.layers[i])
             self._track_output(i, x)
         x = self.final_norm(x)
         self._track_output(self.cfg.n_layers, x)
@@ -223,3 +291,7 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, max_len: Optional[int] = None) -> KVCache:
+        """An empty KV cache for up to `max_len` positions (default: model.max_seq_len)."""
+        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)

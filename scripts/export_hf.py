@@ -1,0 +1,104 @@
+"""Export a training checkpoint as a Hugging Face transformers model directory.
+
+    python scripts/export_hf.py outputs/muon_gpt_tiny/RUN exported/gpt_tiny
+    python scripts/export_hf.py outputs/muon_gpt_tiny/RUN/checkpoints/step_00000200.pt OUT --dtype bf16
+
+CHECKPOINT is a checkpoint file, a run's checkpoints/ dir or a run dir (then the checkpoint
+its `latest` pointer names). Checkpoints hold full logical tensors whatever the (DP, TP)
+layout of the run that saved them, so TP- and ZeRO-sharded runs export the same way.
+
+The result loads with no custom code:
+    AutoModelForCausalLM.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
+Dense models become LlamaForCausalLM (Qwen3ForCausalLM with QK-norm), sigmoid-routed MoE
+models Glm4MoeForCausalLM; see model/hf_export.py for why, and for what is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from model.config import ModelConfig  # noqa: E402
+from model.hf_export import ExportError, export, model_config  # noqa: E402
+from trainer import checkpoint  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint file that `path` (a file, a checkpoints/ dir or a run dir) names."""
+    if path.is_dir():
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        latest = directory / "latest"
+        if latest.exists():
+            return directory / latest.read_text().strip()
+        found = sorted(directory.glob("step_*.pt"))
+        if not found:
+            raise checkpoint.CheckpointError(f"{path}: no checkpoint found in this directory")
+        return found[-1]
+    return path  # checkpoint.load names a missing file itself
+
+
+def load_run(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(model config, parameters and persistent buffers, the run's resolved config)."""
+    state = checkpoint.load(resolve_checkpoint(path))
+    config = state["config"]
+    return model_config(config["model"]), state["params"] | state["buffers"], config
+
+
+def run_tokenizer(config: dict[str, Any], override: Optional[str] = None):
+    """The tokenizer the run trained with: `override` (a tokenizer.json file, or a directory
+    or name AutoTokenizer loads) if given, else the one the run's data config names (a
+    pretrained tokenizer, or the BPE the trainer built in data.cache_dir)."""
+    from data.config import DataConfig
+    from data.pipeline import resolve_cache_dir
+    from data.sources import train_val_sources
+    from data.tokenizer import load_pretrained, load_trained, trained_tokenizer_path
+
+    if override is not None:
+        return load_trained(Path(override)) if override.endswith(".json") else load_pretrained(override)
+    known = {f.name for f in fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in config["data"].items() if k in known})
+    if data.tokenizer is not None:
+        return load_pretrained(data.tokenizer)
+    train, _ = train_val_sources(data)
+    path = trained_tokenizer_path(resolve_cache_dir(data.cache_dir), train, data.vocab_size,
+                                  data.tokenizer_train_bytes)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: the run's tokenizer is not there (data.cache_dir is relative to where "
+            "train.py ran); run from that directory or pass --tokenizer"
+        )
+    return load_trained(path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="checkpoint file, checkpoints/ dir or run dir")
+    parser.add_argument("out_dir", type=Path, help="directory to write the transformers model into")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="weight dtype of the export (fp32 is exact; default fp32)")
+    parser.add_argument("--tokenizer", help="tokenizer.json file, or tokenizer dir/name, to use "
+                        "instead of the run's")
+    args = parser.parse_args(argv)
+    try:
+        cfg, tensors, config = load_run(args.checkpoint)
+        tokenizer = run_tokenizer(config, args.tokenizer)
+        arch = export(cfg, tensors, tokenizer, args.out_dir, DTYPES[args.dtype])
+    except (checkpoint.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {arch} ({cfg.name}, {args.dtype}) to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

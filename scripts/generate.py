@@ -1,0 +1,146 @@
+"""Sample text from a training checkpoint or an exported transformers directory.
+
+    python scripts/generate.py outputs/muon_gpt_tiny/RUN --prompt "def main(" --max-new-tokens 100
+    python scripts/generate.py exported/gpt_tiny --prompt "import " --temperature 0.8 --top-k 50
+
+SOURCE is a checkpoint (file, checkpoints/ dir or run dir; our model, decoding with its KV
+cache) or a directory written by scripts/export_hf.py (loaded with transformers). Greedy by
+default (--temperature 0); otherwise softmax(logits / temperature) sampling, optionally from
+the top-k tokens only. The prompt follows an EOS token, as a document does in training.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from model.gpt import GPT  # noqa: E402
+
+# Takes the tokens not yet seen by the model [B, T] and returns the logits that follow the
+# last of them [B, V]; it keeps whatever state (KV cache, or the whole sequence) it needs.
+Step = Callable[[torch.Tensor], torch.Tensor]
+
+
+def gpt_step(model: GPT, use_cache: bool = True) -> Step:
+    """Our model, decoding with its KV cache, or (use_cache=False) recomputing every position."""
+    cache = model.new_cache() if use_cache else None
+    seen: list[torch.Tensor] = []
+
+    def step(new: torch.Tensor) -> torch.Tensor:
+        if cache is not None:
+            return model(new, cache=cache)[:, -1]
+        seen.append(new)
+        return model(torch.cat(seen, dim=1))[:, -1]
+
+    return step
+
+
+def hf_step(model) -> Step:
+    """A transformers causal LM, decoding with its own cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+
+    def step(new: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=new, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    return step
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, 1] next tokens: argmax when temperature is 0, else a sample."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)
+
+
+@torch.no_grad()
+def generate(
+    step: Step,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    eos_id: Optional[int] = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """prompt [B, T] followed by up to `max_new_tokens` tokens; stops early once every row
+    has produced `eos_id`."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, new = prompt, prompt
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        new = next_token(step(new), temperature, top_k, generator)
+        tokens = torch.cat([tokens, new], dim=1)
+        if eos_id is not None:
+            done |= new[:, 0] == eos_id
+            if done.all():
+                break
+    return tokens
+
+
+def load_source(source: Path, device: torch.device) -> tuple[Step, object, int]:
+    """(step function, tokenizer, longest sequence) for a checkpoint or an exported dir."""
+    if (source / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source).to(device).eval()
+        return hf_step(model), AutoTokenizer.from_pretrained(source), model.config.max_position_embeddings
+
+    from model.hf_export import gpt_from_tensors
+    from scripts.export_hf import load_run, run_tokenizer
+
+    cfg, tensors, config = load_run(source)
+    model = gpt_from_tensors(cfg, tensors).to(device).eval()
+    return gpt_step(model), run_tokenizer(config), cfg.max_seq_len
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="checkpoint file / run dir, or an exported directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    from trainer.checkpoint import CheckpointError
+
+    device = torch.device(args.device)
+    try:
+        step, tokenizer, max_len = load_source(args.source, device)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    ids = [tokenizer.eos_token_id] + tokenizer.encode(args.prompt, add_special_tokens=False)
+    if len(ids) >= max_len:
+        print(f"error: the prompt is {len(ids)} tokens; the model takes at most {max_len}", file=sys.stderr)
+        return 1
+    prompt = torch.tensor([ids] * args.num_samples, device=device)
+    out = generate(step, prompt, min(args.max_new_tokens, max_len - len(ids)), args.temperature,
+                   args.top_k, tokenizer.eos_token_id, args.seed)
+    for i, row in enumerate(out[:, 1:].tolist()):
+        if tokenizer.eos_token_id in row[len(ids) - 1 :]:
+            row = row[: row.index(tokenizer.eos_token_id, len(ids) - 1)]
+        if args.num_samples > 1:
+            print(f"--- sample {i}")
+        print(tokenizer.decode(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
