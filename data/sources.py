@@ -32,6 +32,7 @@ EVAL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Hub dataset ids never start like this; such a path is meant to be a local one.
 LOCAL_PREFIXES = ("/", "./", "../", "~")
+DATA_FILE_SUFFIXES = frozenset({".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zst", ".xz", ".bz2"})
 # Rows fetched from a `datasets` dataset at a time: per-row access is slow.
 HF_BATCH_ROWS = 1000
 
@@ -319,7 +320,10 @@ def _check_max_docs(key: str, max_docs: Optional[int]) -> None:
 
 
 def _check_local_path(key: str, path: str) -> None:
-    if path.startswith(LOCAL_PREFIXES) and not Path(path).expanduser().exists():
+    # A hub dataset id never ends in a data file suffix, so "corpus/a.txt" is a local file
+    # even without a leading "./".
+    looks_local = path.startswith(LOCAL_PREFIXES) or Path(path).suffix.lower() in DATA_FILE_SUFFIXES
+    if looks_local and not Path(path).expanduser().exists():
         raise DataConfigError(f"{key}: no such file or directory: {path}")
 
 

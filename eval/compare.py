@@ -34,16 +34,19 @@ class Run:
 
 
 def _read_jsonl(path: Path) -> dict[str, Series]:
-    series: dict[str, Series] = {}
+    """Every metric's (steps, values), in step order. A resumed run logs again the steps
+    after the checkpoint it resumed from; the later record of a step wins, as it is the one
+    the run continued from."""
+    by_step: dict[str, dict[int, float]] = {}
     for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
         record = json.loads(line)
         for key, value in record.items():
             if key in ("step", "tokens"):
                 continue
-            steps, values = series.setdefault(key, ([], []))
-            steps.append(int(record["step"]))
-            values.append(float(value))
-    return series
+            by_step.setdefault(key, {})[int(record["step"])] = float(value)
+    return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in by_step.items()}
 
 
 def _read_tensorboard(path: Path) -> dict[str, Series]:
@@ -75,10 +78,11 @@ def find_runs(path: Path) -> list[Path]:
     """The run dirs at or below `path` (a single run, or a sweep dir of runs)."""
     if (path / "metrics.jsonl").exists() or (path / "tb").is_dir():
         return [path]
-    found = sorted(p.parent for p in path.rglob("metrics.jsonl"))
+    found = {p.parent for p in path.rglob("metrics.jsonl")}
+    found |= {p.parent for p in path.rglob("tb") if p.is_dir()}
     if not found:
-        raise FileNotFoundError(f"{path}: no runs (metrics.jsonl) found here or below")
-    return found
+        raise FileNotFoundError(f"{path}: no runs (metrics.jsonl or tb/) found here or below")
+    return sorted(found)
 
 
 def best_per_optimizer(runs: list[Run], key: str = "val/val/loss") -> list[Run]:

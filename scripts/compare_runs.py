@@ -91,6 +91,8 @@ def main() -> None:
 
     a, b = runs[0], runs[1]
     print(f"\nA = {a.label} ({a.path}), B = {b.label} ({b.path})")
+    if len(runs) > 2:
+        print(f"(plotted but not in the leading-step summary: {', '.join(r.label for r in runs[2:])})")
     print("| loss | A final | B final | B steps to A's final | A steps | ratio B/A |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for key in keys:

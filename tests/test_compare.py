@@ -72,3 +72,25 @@ def test_cli_writes_plots_and_the_summary_ratio(tmp_path):
     for key in ("train/loss", "val/val/loss", "val/ood_prose/loss"):
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {key} "))
         assert row.replace(" ", "").endswith("|100|50|2.000|"), row
+
+
+def test_a_resumed_run_keeps_the_last_record_of_each_step(tmp_path):
+    """A run resumed from its step-2 checkpoint logs steps 3 and 4 again: the curve must be
+    the continued one, in step order, without the abandoned records."""
+    records = [(1, 5.0), (2, 4.0), (3, 9.0), (4, 9.5), (3, 3.5), (4, 3.0)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "tokens": s, "train/loss": v}) + "\n" for s, v in records)
+    )
+    assert load_run(tmp_path).series["train/loss"] == ([1, 2, 3, 4], [5.0, 4.0, 3.5, 3.0])
+
+
+def test_sweep_of_tensorboard_only_runs_is_found_and_read(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    for job, loss in (("0", 3.0), ("1", 2.0)):
+        with SummaryWriter(str(tmp_path / "sweep" / job / "tb")) as writer:
+            for step in (1, 2):
+                writer.add_scalar("val/val/loss", loss + 1.0 / step, step)
+    runs = [load_run(p) for p in find_runs(tmp_path / "sweep")]
+    assert [r.path.name for r in runs] == ["0", "1"]
+    assert runs[1].series["val/val/loss"] == ([1, 2], [3.0, 2.5])

@@ -434,6 +434,8 @@ def test_pretrained_tokenizer_without_eos_is_rejected(tmp_path, small_tokenizer)
         ({"max_docs": 0}, "data.max_docs"),
         ({"name": "hf"}, "data.path: required"),
         ({"name": "hf", "path": "/nonexistent/dir"}, "data.path: no such file or directory: /nonexistent/dir"),
+        # relative, no "./": a data file suffix still marks it as local, not a hub id
+        ({"name": "hf", "path": "corpus/missing.txt"}, "data.path: no such file or directory: corpus/missing.txt"),
         ({"tokenizer": "./no_such_tokenizer"}, "data.tokenizer: no such file or directory"),
         ({"eval_sets": {"val": EvalSourceConfig()}}, "data.eval_sets.val:"),
         ({"eval_sets": {"a/b": EvalSourceConfig()}}, "data.eval_sets.a/b:"),
