@@ -4,12 +4,16 @@ Each call adds its payload bytes and its host-side time to a counter keyed by
 (group label, operation), so a run can log `comm/<dp|tp>/<op>_bytes` and the time spent
 communicating. Payload bytes are the size of the full buffer the collective works on: the
 tensor for all-reduce, the gathered output for all-gather, the input for reduce-scatter.
+
+Under torch.profiler each collective is also a `comm/<group>/<op>` region of the trace, which
+scripts/analyze_trace.py attributes to communication by name.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,30 @@ def label_group(group: Group, label: str) -> None:
     """Name a process group ("dp", "tp") for the counters."""
     if group is not None:
         _labels[id(group)] = label
+
+
+def group_label(group: Group) -> str:
+    return _labels.get(id(group), "world")
+
+
+_NO_REGION = contextlib.nullcontext()
+
+
+def profiling() -> bool:
+    """Whether a torch.profiler is recording. One C++ flag read; under torch.compile it is
+    False, which keeps regions out of traced graphs."""
+    return not torch.compiler.is_compiling() and torch.autograd._profiler_enabled()
+
+
+def region(name: str) -> ContextManager:
+    """A named torch.profiler region, or nothing when no profiler is recording (entering a
+    record_function costs a dispatcher call even then, so the hot path skips it)."""
+    return torch.profiler.record_function(name) if profiling() else _NO_REGION
+
+
+def _comm_region(group: Group, op: str) -> ContextManager:
+    # The name is only formatted while profiling: collectives are on the hot path.
+    return torch.profiler.record_function(f"comm/{group_label(group)}/{op}") if profiling() else _NO_REGION
 
 
 def group_size(group: Group) -> int:
@@ -40,7 +68,7 @@ class CommCounter:
         self.seconds = 0.0
 
     def record(self, group: Group, op: str, nbytes: int, seconds: float) -> None:
-        key = (_labels.get(id(group), "world"), op)
+        key = (group_label(group), op)
         self.bytes[key] += nbytes
         self.calls[key] += 1
         self.seconds += seconds
@@ -68,7 +96,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
         start = time.perf_counter()
-        dist.all_reduce(x, op=op, group=group)
+        with _comm_region(group, "all_reduce"):
+            dist.all_reduce(x, op=op, group=group)
         COUNTER.record(group, "all_reduce", _nbytes(x), time.perf_counter() - start)
     return x
 
@@ -79,9 +108,39 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.T
         return out.copy_(x.reshape(out.shape))
     start = time.perf_counter()
     # Flat views: gloo wants the output as one buffer of group-size x input elements.
-    dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
+    with _comm_region(group, "all_gather"):
+        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
     COUNTER.record(group, "all_gather", _nbytes(out), time.perf_counter() - start)
     return out
+
+
+class Pending:
+    """A collective in flight: `wait()` before reading its output. It is counted (bytes,
+    one call, host time to issue plus time blocked in wait) and profiled when waited on, so
+    the trace shows the communication the caller actually waits for."""
+
+    def __init__(self, work: Optional[dist.Work], group: Group, op: str, nbytes: int, seconds: float) -> None:
+        self.work, self.group, self.op, self.nbytes, self.seconds = work, group, op, nbytes, seconds
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        start = time.perf_counter()
+        with _comm_region(self.group, self.op):
+            self.work.wait()
+        COUNTER.record(self.group, self.op, self.nbytes, self.seconds + time.perf_counter() - start)
+        self.work = None
+
+
+def all_gather_async(out: torch.Tensor, x: torch.Tensor, group: Group) -> Pending:
+    """all_gather_into, returning at once: overlap the transfer with other work, then wait()."""
+    if group_size(group) == 1:
+        out.copy_(x.reshape(out.shape))
+        return Pending(None, group, "all_gather", 0, 0.0)
+    start = time.perf_counter()
+    with _comm_region(group, "all_gather"):
+        work = dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
+    return Pending(work, group, "all_gather", _nbytes(out), time.perf_counter() - start)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -89,6 +148,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> tor
     if group_size(group) == 1:
         return out.copy_(x.reshape(out.shape))
     start = time.perf_counter()
-    dist.reduce_scatter_single(out.view(-1), x.contiguous().view(-1), group=group)
+    with _comm_region(group, "reduce_scatter"):
+        dist.reduce_scatter_single(out.view(-1), x.contiguous().view(-1), group=group)
     COUNTER.record(group, "reduce_scatter", _nbytes(x), time.perf_counter() - start)
     return out

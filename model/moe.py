@@ -180,9 +180,17 @@ def balance_experts(model: nn.Module, dp_group: Group, rate: float, n_micro_batc
         stats[f"moe/load_imbalance/layer_{i}"] = load.max() / load.mean().clamp_min(1e-9)
         stats[f"moe/router_entropy/layer_{i}"] = entropy
         stats[f"moe/bias_spread/layer_{i}"] = layer.expert_bias.max() - layer.expert_bias.min()
+    reset_routing_stats(model)
+    return stats
+
+
+@torch.no_grad()
+def reset_routing_stats(model: nn.Module) -> None:
+    """Zero every MoE layer's per-step routing counts: after they are used, or when the
+    step that accumulated them is dropped."""
+    for _, layer in moe_layers(model):
         layer.load.zero_()
         layer.entropy_sum.zero_()
-    return stats
 
 
 def check_moe_config(cfg: ModelConfig) -> None:

@@ -3,9 +3,9 @@
 A checkpoint holds full logical tensors, as a single-process run would have them: every
 parameter (TP shards gathered, vocabulary padding dropped), every persistent buffer (MoE
 expert biases), and the optimizer state per parameter (Muon momentum; AdamW moments and
-step), assembled from the ZeRO-1 shards. Plus step, RNG states of every rank and the
-resolved config. The data loader needs only the step (its batches are a function of seed
-and step) and the schedule is a function of the step too.
+step), assembled from the ZeRO-1 shards. Plus step, token and skipped-step counts, RNG
+states of every rank and the resolved config. The data loader needs only the step (its
+batches are a function of seed and step) and the schedule is a function of the step too.
 
 Files: <run_dir>/checkpoints/step_<N>.pt, each with a <name>.sha256 manifest, and a
 `latest` pointer written last. Every file is written atomically (temp name, fsync, rename),
@@ -87,7 +87,8 @@ def logical_state(trainer) -> dict[str, Any]:
         dist.all_gather_object(rng, _rng_state())
     else:
         rng = [_rng_state()]
-    return {"format": FORMAT_VERSION, "step": trainer.step, "params": params, "buffers": buffers,
+    return {"format": FORMAT_VERSION, "step": trainer.step, "tokens": trainer.tokens,
+            "skipped_steps": trainer.skipped_steps, "params": params, "buffers": buffers,
             "optim": optim, "rng": rng, "mesh": {"dp": mesh.dp, "tp": mesh.tp}}
 
 
@@ -183,6 +184,9 @@ def restore(trainer, state: dict[str, Any]) -> None:
     }
     trainer.optimizer.load_local_state(model, local)
     trainer.step = state["step"]
+    # Checkpoints from before these were saved: the best estimate is what was logged then.
+    trainer.tokens = state.get("tokens", trainer.step * trainer.tokens_per_step)
+    trainer.skipped_steps = state.get("skipped_steps", 0)
     same_world = len(state["rng"]) == mesh.world_size
     _set_rng_state(state["rng"][mesh.rank if same_world else 0])
 

@@ -88,6 +88,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # Record torch.profiler Chrome traces of optimizer steps [a, b] (1-based, inclusive;
+    # the default skips the first steps, which pay one-off allocation and warm-up costs)
+    # into <run_dir>/traces/, one file per rank; scripts/analyze_trace.py reads them.
+    enabled: bool = False
+    steps: list[int] = field(default_factory=lambda: [3, 5])
+
+
+@dataclass
 class TrainConfig:
     # Names the run: outputs/<name>/<date-time>.
     name: str = "run"
@@ -100,6 +109,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def register_configs() -> None:
@@ -175,3 +185,16 @@ def validate(cfg: TrainConfig) -> None:
     _positive("parallel.tp", cfg.parallel.tp)
     _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _profile_steps(cfg.profile, t.max_steps)
+
+
+def _profile_steps(p: ProfileConfig, max_steps: int) -> None:
+    steps = list(p.steps)
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+        raise ConfigError(
+            f"profile.steps must be two steps [a, b] with 1 <= a <= b, got {steps}"
+        )
+    if p.enabled and steps[0] > max_steps:
+        raise ConfigError(
+            f"profile.steps={steps} starts after trainer.max_steps={max_steps}: nothing would be profiled"
+        )

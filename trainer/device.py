@@ -54,3 +54,12 @@ def maybe_compile(module: torch.nn.Module, enabled: bool) -> torch.nn.Module:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
+    """Host ops always; on CUDA the kernels too, so a trace shows the device's own timeline
+    (host-side regions only measure kernel launches there)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities

@@ -16,9 +16,9 @@ from data.loader import TrainBatches, eval_batches
 from data.pipeline import PreparedData, prepare_data
 from eval.evaluate import attention_max_logits, eval_losses
 from eval.health import HealthStats
-from model.comm import COUNTER as COMM
+from model.comm import COUNTER as COMM, region
 from model.gpt import GPT
-from model.moe import balance_experts
+from model.moe import balance_experts, reset_routing_stats
 from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
 from optim.builder import build_optimizer
@@ -27,6 +27,7 @@ from trainer import checkpoint
 from trainer import device as dev
 from trainer.config import TrainConfig
 from trainer.mesh import Mesh, init_mesh
+from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks
 
@@ -68,8 +69,10 @@ class PreemptionFlag:
     checkpoint at a step boundary instead of dying mid-step. Ranks agree on it with one
     tiny all-reduce per step, since a signal may reach them at different steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.flag = False
+        # The flag travels on the training device: NCCL only reduces CUDA tensors.
+        self.device = device
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,8 +84,9 @@ class PreemptionFlag:
     def raised(self, mesh: Mesh) -> bool:
         if mesh.world_size == 1:
             return self.flag
-        flag = torch.tensor([float(self.flag)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([float(self.flag)], device=self.device)
+        with region("comm/world/all_reduce"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:
@@ -113,6 +117,9 @@ class Trainer:
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
         self.eval_sets = self._eval_sets()
         self.step = 0
+        # Tokens trained on so far, counted (and checkpointed) rather than derived from the
+        # step, so the count stays right across a resume with a different global batch.
+        self.tokens = 0
         self.skipped_steps = 0
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
@@ -149,18 +156,20 @@ class Trainer:
         self.optimizer.set_lr(lr)
         self.model.track_output_rms = measure
         loss_sum = torch.zeros((), device=self.device)
-        for micro in range(t.grad_accum):
-            x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.autocast():
-                loss = self.forward(x, y)
-            # Every micro-batch holds the same number of tokens, so the mean of the
-            # micro-batch means (and then of the DP ranks' means) is the global token mean.
-            (loss / t.grad_accum).backward()
-            loss_sum += loss.detach().float()
+        with region("forward_backward"):
+            for micro in range(t.grad_accum):
+                x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                with self.autocast():
+                    loss = self.forward(x, y)
+                # Every micro-batch holds the same number of tokens, so the mean of the
+                # micro-batch means (and then of the DP ranks' means) is the global token mean.
+                (loss / t.grad_accum).backward()
+                loss_sum += loss.detach().float()
         self.model.track_output_rms = False
 
-        grad_norm = self.optimizer.prepare_grads(self.cfg.optim.grad_clip)
+        with region("grad_sync"):
+            grad_norm = self.optimizer.prepare_grads(self.cfg.optim.grad_clip)
         # The global gradient norm is the same on every rank, so all ranks agree here. This
         # is one host sync per step, the price of never applying a NaN/inf update.
         if not torch.isfinite(grad_norm).item():
@@ -170,8 +179,9 @@ class Trainer:
             before = self.health.snapshot()
             dev.synchronize(self.device)
             t0 = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        with region("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum)
         if measure:
             dev.synchronize(self.device)
@@ -187,12 +197,24 @@ class Trainer:
             stats.update({f"model/output_rms/layer_{i}": v for i, v in enumerate(rms[:-1])})
             stats["model/output_rms/final"] = rms[-1]
             stats.update(moe)
-        self.step += 1
+        self._advance()
         return stats
+
+    def _advance(self) -> None:
+        self.step += 1
+        self.tokens += self.tokens_per_step
+
+    def discard_step_statistics(self) -> None:
+        """Forget what this step's forward passes accumulated (MoE routing counts, output
+        sums of squares): a dropped step must not leak into the next step's expert-bias
+        update or metrics, and a NaN in them would poison every later step."""
+        reset_routing_stats(self.model)
+        self.model.output_sq_sum.zero_()
 
     def _nonfinite_step(self, loss: torch.Tensor) -> dict[str, torch.Tensor | float]:
         self.optimizer.zero_grad()
         self.model.track_output_rms = False
+        self.discard_step_statistics()
         if self.cfg.trainer.nonfinite == "stop":
             raise NonFiniteLoss(
                 f"non-finite loss/gradients at step {self.step + 1} (loss {loss.item()}); stopping "
@@ -200,12 +222,13 @@ class Trainer:
             )
         self.skipped_steps += 1
         log.warning("step %d: non-finite gradients, step skipped (%d so far)", self.step + 1, self.skipped_steps)
-        self.step += 1
+        self._advance()
         return {"train/loss": loss, "train/skipped_steps": float(self.skipped_steps)}
 
     def save_checkpoint(self) -> None:
         resolved = asdict(replace(self.cfg, model=self.model_cfg))
-        checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, resolved)
+        with region("checkpoint"):
+            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, resolved)
 
     def evaluate(self) -> dict[str, float]:
         metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
@@ -226,14 +249,16 @@ class Trainer:
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0
         COMM.reset()
-        preemption = PreemptionFlag()
+        preemption = PreemptionFlag(self.device)
+        profiler = StepProfiler(cfg.profile, self.run_dir / "traces", mesh.rank, self.device)
         try:
             while self.step < t.max_steps:
+                done = self.step + 1
+                profiler.begin(done)
                 if preemption.raised(mesh):
                     progress.message(f"preempted: saving a checkpoint at step {self.step} and exiting")
                     self.save_checkpoint()
                     raise SystemExit(PREEMPTED_EXIT_CODE)
-                done = self.step + 1
                 is_last = done == t.max_steps
                 measure = done % cfg.logger.interval == 0 or is_last
                 stats = self.train_step(measure)
@@ -252,7 +277,8 @@ class Trainer:
                     progress.report(done, metrics["train/loss"], metrics["perf/tokens_per_s"])
                 eval_due = is_last or (cfg.eval.interval > 0 and done % cfg.eval.interval == 0)
                 if eval_due:
-                    eval_metrics = self.evaluate()
+                    with region("eval"):
+                        eval_metrics = self.evaluate()
                     progress.message(f"step {done}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
                     ))
@@ -262,12 +288,17 @@ class Trainer:
                     self.save_checkpoint()
                 if metrics:
                     if sinks is not None:
-                        sinks.log(done, done * self.tokens_per_step, metrics)
+                        sinks.log(done, self.tokens, metrics)
                     last = metrics
                     # Eval and logging are not training: restart the throughput and comm window.
                     window_start, window_steps = time.perf_counter(), 0
                     COMM.reset()
+                if profiler.end(done):
+                    # Writing the trace is not training either.
+                    window_start, window_steps = time.perf_counter(), 0
+                    COMM.reset()
         finally:
+            profiler.close()
             preemption.restore()
             progress.close()
             if sinks is not None:

@@ -1,0 +1,104 @@
+"""Training-loop fixes: a skipped step leaves no statistics behind, the preemption flag
+travels on the training device, and token / skipped-step counts survive a resume."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.moe import moe_layers
+from tests.test_checkpoint import make_trainer
+from trainer import checkpoint
+from trainer.loop import PreemptionFlag
+from trainer.mesh import Mesh
+
+# Smaller than tests/test_checkpoint.py's runs: these tests need a few steps, not a model.
+SMALL = ["trainer.seq_len=32", "eval.batches=1", "eval.batch_size=2"]
+
+
+def poison(trainer, bad_step: int) -> None:
+    """A NaN loss on one optimizer step (1-based), after a normal forward pass."""
+    forward = trainer.forward
+
+    def maybe_nan(x, y):
+        loss = forward(x, y)
+        return loss * float("nan") if trainer.step + 1 == bad_step else loss
+
+    trainer.forward = maybe_nan
+
+
+def test_skipped_step_discards_routing_counts_and_output_sums(tmp_path):
+    trainer = make_trainer(tmp_path, SMALL + ["model=moe_tiny", "trainer.batch_size=2", "trainer.nonfinite=skip"])
+    layers = moe_layers(trainer.model)
+    assert layers
+    poison(trainer, 2)
+    trainer.train_step(measure=False)
+    bias = [layer.expert_bias.clone() for _, layer in layers]
+    stats = trainer.train_step(measure=True)  # NaN: skipped, after routing and output tracking
+    assert stats["train/skipped_steps"] == 1.0
+    for (_, layer), before in zip(layers, bias):
+        assert torch.equal(layer.expert_bias, before)  # no bias update from a dropped step
+        assert not layer.load.any() and not layer.entropy_sum.any()
+    assert not trainer.model.output_sq_sum.any()
+
+    # The next step's statistics are its own: its load counts exactly its routed slots.
+    t = trainer.cfg.trainer
+    slots = t.batch_size * t.seq_len * trainer.model_cfg.top_k
+    seen = {}
+    original = layers[0][1].update_bias
+    layers[0][1].update_bias = lambda load, rate: (seen.setdefault("load", load.clone()), original(load, rate))
+    stats = trainer.train_step(measure=True)
+    assert seen["load"].sum().item() == slots
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in stats.values())
+
+
+class _Seen(Exception):
+    pass
+
+
+def test_preemption_flag_is_reduced_on_the_training_device(monkeypatch):
+    # NCCL reduces only tensors on the process group's device; stand in for it with a
+    # collective that records the device. "meta" is a device no CPU default would match.
+    seen = {}
+
+    def all_reduce(tensor, op=None, group=None):
+        seen["device"] = tensor.device
+        raise _Seen
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    flag = PreemptionFlag(torch.device("meta"))
+    try:
+        with pytest.raises(_Seen):
+            flag.raised(Mesh(rank=0, world_size=2))
+    finally:
+        flag.restore()
+    assert seen["device"] == torch.device("meta")
+
+
+def logged_tokens(run_dir: Path) -> dict[int, int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["tokens"] for r in records}
+
+
+def test_tokens_and_skipped_steps_survive_a_resume_with_a_new_batch(tmp_path):
+    first = make_trainer(tmp_path, SMALL + ["trainer.batch_size=2", "trainer.max_steps=2"])
+    first.train()
+    first.skipped_steps = 1  # as if one of those steps had been dropped
+    first.save_checkpoint()
+    resumed = make_trainer(tmp_path, SMALL + ["trainer.batch_size=4", "trainer.max_steps=3"])
+    assert resumed.step == 2 and resumed.skipped_steps == 1
+    resumed.train()
+    seq = resumed.cfg.trainer.seq_len
+    assert logged_tokens(tmp_path)[3] == 2 * (2 * seq) + 1 * (4 * seq)
+
+
+def test_checkpoints_without_the_counts_still_load(tmp_path):
+    trainer = make_trainer(tmp_path, SMALL + ["trainer.batch_size=2"])
+    trainer.train_step(measure=False)
+    state = checkpoint.logical_state(trainer)
+    del state["tokens"], state["skipped_steps"]  # a checkpoint from before they were saved
+    trainer.tokens, trainer.skipped_steps = -1, -1
+    checkpoint.restore(trainer, state)
+    assert trainer.tokens == trainer.tokens_per_step and trainer.skipped_steps == 0
