@@ -52,4 +52,9 @@ class OptimConfig:
     # Weight decay per parameter family (attn_q, mlp_in, embed, norm, ...); families not
     # listed use `weight_decay`. Moonlight decays RMSNorm gammas too, so norms are not exempt.
     weight_decay_overrides: Dict[str, float] = field(default_factory=dict)
+    # ZeRO-1 (data parallel > 1): split the parameter all-gather after the step into this many
+    # buckets, each launched asynchronously as soon as its matrices are updated, so the
+    # transfer overlaps the Newton-Schulz of later buckets. 1: one all-gather after the whole
+    # step. See BENCHMARKS.md for the side-by-side measurement behind the default.
+    gather_buckets: int = 1
     muon: MuonConfig = field(default_factory=MuonConfig)

@@ -215,11 +215,17 @@ class Muon(torch.optim.Optimizer):
         _validate_group(self.param_groups[-1])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(
+        self, closure: Callable[[], float] | None = None, only: Iterable[Tensor] | None = None
+    ) -> float | None:
+        """One Muon step of every parameter with a gradient, or of those in `only` (a
+        distributed optimizer steps its matrices in buckets so that each bucket's parameter
+        all-gather can start while the next bucket is orthogonalised)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        chosen = None if only is None else {id(p) for p in only}
 
         # Stack key: everything the Newton-Schulz result depends on besides the data.
         stacks: dict[tuple, list[_Item]] = {}
@@ -227,7 +233,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             ns_key = (group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"])
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or (chosen is not None and id(p) not in chosen):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("optim.muon: sparse gradients are not supported")

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from model.comm import all_gather_into, all_reduce, reduce_scatter_into
+from model.comm import all_gather_async, all_reduce, group_size, reduce_scatter_into
 from model.config import ModelConfig
 from optim.config import OptimConfig
-from optim.muon import Muon, matrix_layout
+from optim.muon import Muon, matrix_layout, tp_gather_dim
 from optim.optimizer_set import OptimizerSet
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
@@ -31,8 +31,21 @@ from trainer.mesh import Mesh
 log = logging.getLogger("optim")
 
 
-def _muon_matrices(param: torch.Tensor, split_rows: int | None) -> tuple[tuple[int, int], ...]:
+def newton_schulz_shapes(
+    param: torch.Tensor, split_rows: int | None, tp_group: Any, tp_mode: str
+) -> tuple[tuple[int, int], ...]:
+    """The (rows, cols) of every matrix whose Newton-Schulz this parameter's owner runs.
+
+    With tp_mode=gather a TP-sharded matrix is gathered and orthogonalised whole on every
+    TP rank, so its owner pays for the full matrix: the plan must balance that cost, not the
+    shard's. With tp_mode=gram each rank iterates on its shard (plus a small Gram matrix), so
+    the shard's shape is the closer measure.
+    """
     k, rows, cols = matrix_layout(param.shape, split_rows)
+    split = tp_gather_dim(param, {"tp_group": tp_group, "split_rows": split_rows})
+    if split is not None and tp_mode == "gather":
+        tp = group_size(tp_group)
+        rows, cols = (rows * tp, cols) if split == 0 else (rows, cols * tp)
     return ((rows, cols),) * k
 
 
@@ -52,7 +65,10 @@ class ZeroOptimizer(OptimizerSet):
         specs = []
         for i, (name, p) in enumerate(named):
             is_muon = routes[name].optimizer == "muon"
-            matrices = _muon_matrices(p, split_rows(self.kinds[i])) if is_muon else ()
+            matrices = (
+                newton_schulz_shapes(p, split_rows(self.kinds[i]), mesh.tp_group, cfg.muon.tp_mode)
+                if is_muon else ()
+            )
             specs.append(ParamSpec(index=i, numel=p.numel(), muon_matrices=matrices))
         self.plan: ZeroPlan = build_plan(specs, mesh.dp)
         self.slices: list[Slice] = sorted(
@@ -62,15 +78,30 @@ class ZeroOptimizer(OptimizerSet):
         self.segment_start = mesh.dp_rank * self.plan.segment
         device = self.params[0].device
         self.segment_grad = torch.zeros(self.plan.segment, device=device)
-        self.flat = torch.zeros(self.plan.total, device=device)
+        self.flat = torch.zeros(self.plan.total, device=device)  # gradients, then parameters, packed
+        # The parameter all-gather in buckets: (lo, hi) within a segment, the same on every
+        # rank; each bucket gathers into its own [dp * (hi - lo)] buffer.
+        n_buckets = max(1, min(cfg.gather_buckets, self.plan.segment))
+        cuts = [round(b * self.plan.segment / n_buckets) for b in range(n_buckets + 1)]
+        self._buckets = list(zip(cuts[:-1], cuts[1:]))
+        # A send and a receive buffer per bucket: an asynchronous all-gather reads its input
+        # until it completes, so buckets in flight cannot share one.
+        self._pieces = [torch.zeros(hi - lo, device=device) for lo, hi in self._buckets]
+        # The receive buffers reuse the gradient buffer, which is free once reduce-scattered.
+        self._gathered = [self.flat[mesh.dp * lo : mesh.dp * hi] for lo, hi in self._buckets]
 
         optimizers: dict[str, torch.optim.Optimizer] = {}
         self._owned: list[tuple[torch.Tensor, Slice]] = []  # (tensor stepped here, its slice)
         muon_groups: dict[str, list[torch.Tensor]] = {}
+        # Each owned matrix is stepped before the first bucket it touches is gathered.
+        self._muon_by_bucket: list[list[torch.Tensor]] = [[] for _ in self._buckets]
         for s in mine.muon:
             p = self.params[s.param]
             muon_groups.setdefault(self.kinds[s.param], []).append(p)
             self._owned.append((p, s))
+            local = s.offset - self.segment_start
+            first = next(b for b, (lo, hi) in enumerate(self._buckets) if local < hi)
+            self._muon_by_bucket[first].append(p)
         adamw_groups: dict[str, list[torch.Tensor]] = {}
         for s in mine.adamw:
             # A detached view into the parameter's storage: AdamW updates it in place.
@@ -102,23 +133,32 @@ class ZeroOptimizer(OptimizerSet):
         if mesh.is_main:
             log.info(self.plan.describe())
 
-    def _flatten(self, tensors: list[torch.Tensor], slices: list[Slice], total: int, start: int) -> torch.Tensor:
-        """Concatenate the slices of `tensors` in buffer order, zero-filling the padding."""
-        parts, cursor = [], start
-        for s in slices:
-            if s.offset > cursor:
-                parts.append(tensors[0].new_zeros(s.offset - cursor))
-            parts.append(tensors[s.param].reshape(-1)[s.start : s.start + s.length])
-            cursor = s.offset + s.length
-        if start + total > cursor:
-            parts.append(tensors[0].new_zeros(start + total - cursor))
-        return torch.cat(parts)
+    def _slices_in(self, lo: int, hi: int) -> list[Slice]:
+        """The slices overlapping flat-buffer offsets [lo, hi)."""
+        return [s for s in self.slices if s.offset < hi and s.offset + s.length > lo]
+
+    def _pack(self, tensors: list[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """out (fp32, hi - lo elements) <- the flat buffer's elements [lo, hi) taken from
+        `tensors` (one per parameter), zeros in the padding."""
+        out.zero_()
+        for s in self._slices_in(lo, hi):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
+            src = tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset]
+            out[a - lo : b - lo].copy_(src)
+        return out
+
+    def _unpack(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        """The parameters' elements at flat-buffer offsets [lo, hi) <- flat."""
+        for s in self._slices_in(lo, hi):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
+            dst = self.params[s.param].data.view(-1)[s.start + a - s.offset : s.start + b - s.offset]
+            dst.copy_(flat[a - lo : b - lo])
 
     @torch.no_grad()
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
         """Reduce-scatter the gradients over DP, then clip them. Returns the global norm."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flatten([g.float() for g in grads], self.slices, self.plan.total, 0)
+        flat = self._pack(grads, 0, self.plan.total, self.flat)
         reduce_scatter_into(self.segment_grad, flat, self.mesh.dp_group)
         self.segment_grad.div_(self.mesh.dp)
         for p in self.params:
@@ -141,15 +181,27 @@ class ZeroOptimizer(OptimizerSet):
 
     @torch.no_grad()
     def step(self) -> None:
-        super().step()
-        mine = [s for s in self.slices if self.segment_start <= s.offset < self.segment_start + self.plan.segment]
-        data = [p.detach() for p in self.params]
-        segment = self._flatten(data, mine, self.plan.segment, self.segment_start)
-        all_gather_into(self.flat, segment.float(), self.mesh.dp_group)
-        for s in self.slices:
-            self.params[s.param].data.view(-1)[s.start : s.start + s.length].copy_(
-                self.flat[s.offset : s.offset + s.length]
-            )
+        """Step what this rank owns, then all-gather the updated segments.
+
+        With optim.gather_buckets = B > 1 the segment is cut into B buckets (the same cuts on
+        every rank): AdamW steps first, then the Muon matrices bucket by bucket, and each
+        bucket's all-gather is launched asynchronously as soon as every matrix touching it is
+        updated, so its transfer overlaps the Newton-Schulz of the following buckets.
+        """
+        if "adamw" in self.optimizers:
+            self.optimizers["adamw"].step()
+        muon = self.optimizers.get("muon")
+        dp, segment = self.mesh.dp, self.plan.segment
+        pending = []
+        for (lo, hi), matrices, piece, gathered in zip(self._buckets, self._muon_by_bucket, self._pieces, self._gathered):
+            if muon is not None and matrices:
+                muon.step(only=matrices)
+            self._pack(self.params, self.segment_start + lo, self.segment_start + hi, piece)
+            pending.append((lo, hi, gathered, all_gather_async(gathered, piece, self.mesh.dp_group)))
+        for lo, hi, gathered, handle in pending:
+            handle.wait()
+            for r in range(dp):
+                self._unpack(gathered[r * (hi - lo) : (r + 1) * (hi - lo)], r * segment + lo, r * segment + hi)
 
     def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Per-parameter state, whole over DP: each rank contributes what it owns (zeros

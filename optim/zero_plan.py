@@ -26,7 +26,9 @@ class ParamSpec:
 
     index: int  # position in the model's parameter list
     numel: int
-    muon_matrices: tuple[tuple[int, int], ...] = ()  # (rows, cols) of each matrix Muon orthogonalises; empty for AdamW
+    # (rows, cols) of each matrix whose Newton-Schulz the owner runs (the full matrix when TP
+    # gathers it); empty for AdamW parameters.
+    muon_matrices: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_muon(self) -> bool:
