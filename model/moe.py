@@ -100,7 +100,10 @@ class MoE(nn.Module):
 
     def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], gate values [N, k], scores [N, E]) for N tokens, in fp32."""
-        logits = F.linear(x_flat.float(), self.router.weight.float())
+        # Autocast off: under bf16 autocast F.linear would compute in bf16 even on fp32
+        # inputs, and near-tied scores would then pick experts by rounding noise.
+        with torch.autocast(device_type=x_flat.device.type, enabled=False):
+            logits = F.linear(x_flat.float(), self.router.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         _, ids = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1)
         gates = scores.gather(-1, ids)

@@ -83,6 +83,7 @@ def test_unknown_preset_is_reported():
         (["model.n_kv_heads=3"], "model.n_kv_heads"),
         (["+optim.weight_decay_overrides.nrom=0.0"], "optim.weight_decay_overrides.nrom"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
+        (["optim.gather_buckets=0"], "optim.gather_buckets"),
     ],
 )
 def test_validate_names_the_offending_key(overrides, key):
@@ -104,6 +105,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["trainer.seq_len=100000"], "trainer.seq_len"),
         (["data=hf", "data.path=text", "data.data_files=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
         (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["data=hf", "data.path=corpus/missing.txt"], "data.path: no such file or directory"),
     ],
 )
 def test_cli_reports_bad_values_in_one_line_without_traceback(args, needle):

@@ -88,13 +88,13 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return final_losses(run_dir)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_killed_or_preempted_run_resumes_to_exactly_the_same_losses(tmp_path, uninterrupted, sig):
     proc = launch(tmp_path)
     wait_for_step(tmp_path, proc, 8)
     proc.send_signal(sig)
     code = proc.wait(timeout=120)
-    if sig == signal.SIGTERM:
+    if sig in (signal.SIGTERM, signal.SIGINT):
         assert code == 143  # saved a checkpoint at a step boundary, then exited
         latest = (tmp_path / "checkpoints" / "latest").read_text()
         assert int(latest[5:13]) >= 8
@@ -103,3 +103,28 @@ def test_killed_or_preempted_run_resumes_to_exactly_the_same_losses(tmp_path, un
     resumed = launch(tmp_path)  # checkpoint.resume=auto
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     assert final_losses(tmp_path) == uninterrupted
+
+
+def launch_torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
+    args = [a for a in COMMON if not a.startswith(("trainer.max_steps", "checkpoint.interval"))]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "--max-restarts=1", "train.py", f"hydra.run.dir={run_dir}", *args, "trainer.batch_size=1",
+         "trainer.max_steps=16", "checkpoint.interval=3", *extra],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identically(tmp_path):
+    straight = launch_torchrun(tmp_path / "straight")
+    assert straight.wait(timeout=600) == 0, straight.stderr.read()[-3000:]
+    run_dir = tmp_path / "killed"
+    proc = launch_torchrun(run_dir)
+    wait_for_step(run_dir, proc, 8)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    subprocess.run(["kill", "-9", workers[-1]], check=True)  # rank 1 dies
+    assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+    assert final_losses(run_dir) == final_losses(tmp_path / "straight")

@@ -175,3 +175,15 @@ def _moe_parallel_worker(rank: int, world: int, tp: int) -> float:
 def test_moe_tp_and_distributed_muon_equal_single_process(dp, tp):
     for err in run_distributed(_moe_parallel_worker, dp * tp, tp):
         assert err <= 1e-5, err
+
+
+def test_router_scores_are_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    layer = MoE(CFG)
+    x = torch.randn(64, CFG.d_model)
+    expected = F.linear(x, layer.router.weight).sigmoid()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        ids, gates, scores = layer.route(x)
+    assert scores.dtype == gates.dtype == torch.float32
+    # the same fp32 numbers as without autocast (bf16 logits would be off by ~1e-3)
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-6)

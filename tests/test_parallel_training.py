@@ -106,3 +106,22 @@ def test_dp2_tp2_muon_tracks_the_single_process_run_and_logs_comm(tmp_path):
     assert last["comm/dp/reduce_scatter_bytes"] == last["comm/dp/all_gather_bytes"] > 0
     assert last["comm/tp/all_reduce_bytes"] > 0 and last["comm/tp/all_gather_bytes"] > 0
     assert last["comm/seconds"] > 0
+
+
+def test_moe_tp2_muon_tracks_the_single_process_run_and_logs_moe_metrics(tmp_path):
+    moe = ["model=moe_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.batch_size=4"]
+    single = train_in_process(tmp_path / "single", moe)
+    run_distributed(_train_worker, 2, str(tmp_path / "tp2"), moe + ["parallel.tp=2"])
+    parallel = read_metrics(tmp_path / "tp2")
+    assert_tracks(losses(parallel), losses(single), 1e-5)
+    train_losses = losses(single)
+    assert train_losses[-1] < train_losses[0] - 0.3, train_losses
+    # moe_tiny: block 0 dense, block 1 MoE with 4 experts
+    for records in (single, parallel):
+        last = records[-1]
+        assert 1.0 <= last["moe/load_imbalance/layer_1"] <= 4.0
+        assert "moe/load_imbalance/layer_0" not in last
+        assert 0.0 < last["moe/router_entropy/layer_1"] <= 1.3863  # at most ln(4)
+        assert last["optim/update_rms/experts"] > 0
+    for key in ("moe/load_imbalance/layer_1", "moe/bias_spread/layer_1"):
+        assert abs(parallel[-1][key] - single[-1][key]) <= 1e-5 * max(1.0, abs(single[-1][key])), key

@@ -45,6 +45,9 @@ def to_logical(local: torch.Tensor, split_dim: Optional[int], rows: int, tp_grou
 
 def to_local(full: torch.Tensor, like: torch.Tensor, split_dim: Optional[int], tp_group) -> torch.Tensor:
     """This rank's TP shard of a full tensor, zero-padding rows as the local layout needs."""
+    # Checkpoints load onto the CPU; the shard goes to the device of the tensor it replaces
+    # (optimizer state installed on the CPU would fail the first GPU step).
+    full = full.to(like.device)
     tp = group_size(tp_group)
     if split_dim is None or tp == 1:
         return full.to(like.dtype)

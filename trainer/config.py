@@ -166,6 +166,7 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("optim.warmup_steps", o.warmup_steps, minimum=0)
+    _positive("optim.gather_buckets", o.gather_buckets)
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optim.wsd_decay_fraction must lie in (0, 1], got {o.wsd_decay_fraction}")
 
