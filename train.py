@@ -3,28 +3,37 @@
     python train.py                                   # defaults: conf/config.yaml
     python train.py model=gpt_small optim=adamw       # pick presets
     python train.py -m optim=muon,adamw optim.lr=1e-3,3e-3   # Hydra multirun sweep
+    python train.py -m +experiment=muon_vs_adamw_small       # a pinned comparison sweep
+    torchrun --nproc_per_node=8 train.py parallel.tp=2       # one run over 8 processes
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from data.sources import check_data_config
+from data.sources import DataConfigError, check_data_config
 from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
-from trainer.loop import NonFiniteLoss, Trainer
-from trainer.mesh import check_mesh_shape, destroy_mesh, world_size_from_env
+from trainer.checkpoint import CheckpointError
 from trainer.config import register_configs, to_dataclass, validate
+from trainer.launch import end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
+from trainer.loop import NonFiniteLoss, Trainer
+from trainer.mesh import adopt_slurm_env, check_mesh_shape, destroy_mesh, world_size_from_env
 
 register_configs()
 log = logging.getLogger("train")
+# A multirun keeps its default process group from job to job; it goes when the process ends.
+atexit.register(destroy_mesh)
 
 
 def one_line(err: Exception) -> str:
@@ -36,6 +45,8 @@ def one_line(err: Exception) -> str:
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
+        adopt_slurm_env()  # before anything reads RANK or LOCAL_RANK
+        quiet_nonzero_rank_logging()
         typed = to_dataclass(cfg)
         validate(typed)
         check_mesh_shape(world_size_from_env(), typed.parallel.tp)
@@ -49,19 +60,42 @@ def main(cfg: DictConfig) -> float:
         print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    log.info("run dir: %s", run_dir)
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    start_job(typed, hydra_cfg)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
+    trainer: Trainer | None = None
     try:
-        final = Trainer(typed, run_dir).train()
+        trainer = Trainer(typed, run_dir)
+        final = trainer.train()
+    except (DataConfigError, CheckpointError) as err:
+        # Found only once the data or the checkpoint is opened (a text field the dataset
+        # lacks, a checkpoint of another model), but still the user's input: one line.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLoss as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(3)
+        if not multirun:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(3)
+        # One diverging lr must not cost the rest of the sweep: this job scores NaN.
+        log.error("job %s (%s) diverged; the sweep continues: %s",
+                  hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults", err)
+        return float("nan")
     finally:
-        # A multirun sweep runs the next job in this process: leave no group behind.
-        destroy_mesh()
+        end_job(trainer.mesh if trainer is not None else None, multirun)
     # The return value is what Hydra sweepers optimise: the final in-domain val loss.
     return final.get("val/val/loss", float("nan"))
 
 
 if __name__ == "__main__":
+    try:
+        extra_args, extra_env = launch_overrides(sys.argv[1:], os.environ)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    os.environ.update(extra_env)
+    sys.argv += extra_args
     main()

@@ -9,6 +9,7 @@ heavy smoothing (alpha 0.005) was seen to hide the real curves.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -90,8 +91,8 @@ def best_per_optimizer(runs: list[Run], key: str = "val/val/loss") -> list[Run]:
     best: dict[str, Run] = {}
     for run in runs:
         value = run.final(key)
-        if value is None:
-            continue
+        if value is None or not math.isfinite(value):
+            continue  # a diverged job of the sweep (NaN never compares lower)
         if run.optimizer not in best or value < best[run.optimizer].final(key):
             best[run.optimizer] = run
     return list(best.values())

@@ -1,7 +1,7 @@
 """Compare training runs (e.g. Muon vs AdamW): loss curves, leading steps, summary table.
 
     python scripts/compare_runs.py outputs/muon_gpt_tiny/RUN outputs/adamw_gpt_tiny/RUN
-    python scripts/compare_runs.py outputs/muon_gpt_small/multirun_X outputs/adamw_gpt_small/multirun_Y
+    python scripts/compare_runs.py outputs/multirun/2030-01-01_12-00-00     # a whole sweep
 
 Each argument is a run dir (metrics.jsonl, or TensorBoard events in tb/) or a sweep dir of
 runs; from sweeps the best lr per optimizer (lowest final val loss) is kept. The first

@@ -53,6 +53,7 @@ def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
     write_run(tmp_path / "sweep" / "0", "muon", 1e-3, [5, 4, 3.5])
     write_run(tmp_path / "sweep" / "1", "muon", 3e-3, [5, 4, 3.0])
     write_run(tmp_path / "sweep" / "2", "adamw", 1e-3, [5, 4.5, 4.0])
+    write_run(tmp_path / "sweep" / "00", "adamw", 1e-2, [5, 9, float("nan")])  # diverged, read first
     runs = [load_run(p) for p in find_runs(tmp_path / "sweep")]
     best = {r.optimizer: r.lr for r in best_per_optimizer(runs)}
     assert best == {"muon": 3e-3, "adamw": 1e-3}

@@ -122,3 +122,15 @@ def test_cli_unknown_preset_fails_before_training():
     assert proc.returncode != 0
     assert "gpt_huge" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_data_errors_found_while_loading_are_one_line_too(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one line of text\n" * 50)
+    proc = run_cli(f"hydra.run.dir={tmp_path / 'run'}", "data=hf", "data.path=text",
+                   f"data.data_files=[{corpus}]", "data.text_field=body",
+                   f"data.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "data.text_field" in error_lines[0], proc.stderr

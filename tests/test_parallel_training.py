@@ -115,7 +115,7 @@ def test_moe_tp2_muon_tracks_the_single_process_run_and_logs_moe_metrics(tmp_pat
     parallel = read_metrics(tmp_path / "tp2")
     assert_tracks(losses(parallel), losses(single), 1e-5)
     train_losses = losses(single)
-    assert train_losses[-1] < train_losses[0] - 0.3, train_losses
+    assert train_losses[-1] < train_losses[0] - 0.1, train_losses  # 10 steps of batch 4 x 64
     # moe_tiny: block 0 dense, block 1 MoE with 4 experts
     for records in (single, parallel):
         last = records[-1]

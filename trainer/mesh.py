@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,56 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _slurm_int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"{key}={env[key]!r} is not an integer") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: "gpu[003-005,9],cpu1" -> "gpu003"."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if first is None:
+        raise ValueError(f"SLURM node list {nodelist!r} names no host")
+    # Each bracket keeps its first value; zero padding is part of the host name.
+    return re.sub(r"\[([^\]\-,]*)[^\]]*\]", r"\1", first.group(0))
+
+
+def torch_env_from_slurm(env: Mapping[str, str]) -> dict[str, str]:
+    """torch's env:// variables for one task of a multi-task SLURM step (srun, or the submitit
+    launcher, which starts every rank as a SLURM task instead of through torchrun).
+
+    Empty when torchrun's RANK and WORLD_SIZE are already set, or this is not such a step.
+    A MASTER_ADDR or MASTER_PORT the user exported is kept.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {}
+    # SLURM_STEP_NUM_TASKS is the step's own task count; SLURM_NTASKS the allocation's.
+    tasks_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    if "SLURM_PROCID" not in env or tasks_key not in env or _slurm_int(env, tasks_key) < 2:
+        return {}
+    nodelist_key = next(
+        (k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(k)), None
+    )
+    if nodelist_key is None and not env.get("MASTER_ADDR"):
+        raise ValueError("SLURM_JOB_NODELIST is not set: cannot tell the rank-0 host (set MASTER_ADDR)")
+    # Every task derives the same port from the job id; jobs sharing a node get different ones.
+    port = 15000 + _slurm_int(env, "SLURM_JOB_ID") % 10000 if "SLURM_JOB_ID" in env else 29500
+    return {
+        "RANK": str(_slurm_int(env, "SLURM_PROCID")),
+        "WORLD_SIZE": str(_slurm_int(env, tasks_key)),
+        "LOCAL_RANK": str(_slurm_int(env, "SLURM_LOCALID")) if "SLURM_LOCALID" in env else "0",
+        "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env[nodelist_key]),
+        "MASTER_PORT": env.get("MASTER_PORT") or str(port),
+    }
+
+
+def adopt_slurm_env() -> None:
+    """Export torch's variables for a SLURM task; a no-op under torchrun or a single process."""
+    os.environ.update(torch_env_from_slurm(os.environ))
+
+
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -62,9 +113,11 @@ def default_backend(device: torch.device) -> str:
 def init_mesh(tp: int, device: torch.device, backend: str = "auto", timeout_s: float = 600.0) -> Mesh:
     """Join the job torchrun started (env:// rendezvous) and build the DP and TP groups.
 
-    Without torchrun (WORLD_SIZE unset) this is a single process and no group is created.
+    Without torchrun (WORLD_SIZE unset) this is a single process and no group is created,
+    unless this is one task of a multi-task SLURM step, which joins that step's group.
     The timeout turns a dead peer into an error instead of a hang.
     """
+    adopt_slurm_env()
     world_size = world_size_from_env()
     check_mesh_shape(world_size, tp)
     if world_size == 1:
@@ -103,3 +156,20 @@ def build_mesh(tp: int) -> Mesh:
 def destroy_mesh() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_subgroups(mesh: Mesh) -> None:
+    """Free a mesh's TP and DP groups but keep the default group, for the next job of a sweep.
+
+    Re-creating the default group in the same processes would restart group naming at 0 over
+    torchrun's store, which still holds the first groups' keys: the new groups would meet
+    stale keys and hang. So a multirun under torchrun keeps one default group for all jobs.
+    """
+    if not dist.is_initialized():
+        return
+    released: list[dist.ProcessGroup] = []
+    for group in (mesh.tp_group, mesh.dp_group):
+        if group is None or group is dist.GroupMember.WORLD or any(group is g for g in released):
+            continue
+        dist.destroy_process_group(group)
+        released.append(group)
