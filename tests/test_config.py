@@ -84,6 +84,8 @@ def test_unknown_preset_is_reported():
         (["+optim.weight_decay_overrides.nrom=0.0"], "optim.weight_decay_overrides.nrom"),
         (["logger.wandb.mode=sometimes"], "logger.wandb.mode"),
         (["optim.gather_buckets=0"], "optim.gather_buckets"),
+        (["parallel.backend=mpi"], "parallel.backend"),
+        (["parallel.timeout_s=0"], "parallel.timeout_s"),
     ],
 )
 def test_validate_names_the_offending_key(overrides, key):

@@ -74,6 +74,12 @@ class LoggerConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    # Process-group backend: "auto" (nccl on CUDA, gloo on CPU), "nccl" or "gloo".
+    backend: str = "auto"
+    # Seconds a collective waits for its peers before the job fails, so a dead rank ends the
+    # run instead of hanging it. It also bounds how long the other ranks wait while rank 0
+    # builds the tokenizer and token cache of a first run: raise it for a very large data=hf.
+    timeout_s: float = 1800.0
 
 
 @dataclass
@@ -184,6 +190,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
     _positive("parallel.tp", cfg.parallel.tp)
+    _choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
+    if not cfg.parallel.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s must be > 0, got {cfg.parallel.timeout_s}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _profile_steps(cfg.profile, t.max_steps)

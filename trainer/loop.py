@@ -101,7 +101,9 @@ class Trainer:
         t = cfg.trainer
         self.device = dev.resolve_device(t.device, dev.local_rank())
         dev.enable_fast_math(self.device)
-        self.mesh = mesh if mesh is not None else init_mesh(cfg.parallel.tp, self.device)
+        self.mesh = mesh if mesh is not None else init_mesh(
+            cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
+        )
         dev.seed_everything(cfg.seed)
 
         self.data = prepare_data_once(cfg, self.mesh)
