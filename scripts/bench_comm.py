@@ -13,8 +13,8 @@ Rows, per optimizer step and per rank, for one model:
                 DP-gathered and every DP rank repeats every Newton-Schulz.
 The baselines are computed from their layouts. Our row is computed too, and then measured:
 each layout with world size <= --max-world is run for real (gloo, spawned processes, one
-optimizer step of the real ZeroOptimizer on random gradients) and the bytes counted by
-model/comm.py must equal the computed ones.
+optimizer step of the real ZeroOptimizer on random gradients); the bytes counted by
+model/comm.py and the real plan's per-rank Newton-Schulz load must equal the computed ones.
 
 Conventions: gradients and parameters move in fp32 (4 bytes); the baselines' extra momentum
 gathers in bf16 (2 bytes), as Moonlight and the Megatron proof of concept do. Byte counts are
@@ -101,7 +101,8 @@ def rows_for(params: list[Local], dp: int, tp: int) -> dict[str, dict[str, float
     state = [4 * sum(s.length for s in r.muon) + 8 * sum(s.length for s in r.adamw) for r in plan.ranks]
     tpb = [sum(tp_gather_bytes(params[s.param], tp) for s in r.muon) for r in plan.ranks]
     rows["muon-ours"] = dict(dp_bytes=2 * 4 * plan.total, tp_bytes=sum(tpb) / dp, ns_max=max(ns),
-                             ns_mean=sum(ns) / dp, state=max(state))
+                             ns_mean=sum(ns) / dp, state=max(state),
+                             plan_costs=[r.ns_cost for r in plan.ranks])
 
     # Moonlight: flat partition in parameter order, chunk = ceil(total / dp).
     chunk = math.ceil(total / dp)
@@ -148,7 +149,8 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, tp: int) -> dict[st
     opt.step()
     dp_rs_ag = sum(v for (label, op), v in COUNTER.bytes.items() if label == "dp" and op != "all_reduce")
     tp_bytes = sum(v for (label, op), v in COUNTER.bytes.items() if label == "tp" and op == "all_gather")
-    return {"dp_bytes": dp_rs_ag, "tp_bytes": tp_bytes, "state": opt.state_bytes()}
+    return {"dp_bytes": dp_rs_ag, "tp_bytes": tp_bytes, "state": opt.state_bytes(),
+            "plan_costs": [r.ns_cost for r in opt.plan.ranks]}
 
 
 def measure(cfg: ModelConfig, dp: int, tp: int) -> dict[str, float]:
@@ -160,6 +162,7 @@ def measure(cfg: ModelConfig, dp: int, tp: int) -> dict[str, float]:
         "dp_bytes": per_rank[0]["dp_bytes"],
         "tp_bytes": sum(r["tp_bytes"] for r in per_rank[::tp]) / dp,  # one TP rank per DP rank
         "state": max(r["state"] for r in per_rank),
+        "plan_costs": per_rank[0]["plan_costs"],
     }
 
 
@@ -195,7 +198,9 @@ def main() -> None:
             note = ""
             if name == "muon-ours" and measured is not None:
                 ok = measured["dp_bytes"] == r["dp_bytes"] and measured["tp_bytes"] == r["tp_bytes"]
-                note = f"DP {measured['dp_bytes']:,.0f} / TP {measured['tp_bytes']:,.0f} bytes: {'equal' if ok else 'DIFFERENT'}"
+                same_plan = measured["plan_costs"] == r["plan_costs"]
+                note = (f"DP {measured['dp_bytes']:,.0f} / TP {measured['tp_bytes']:,.0f} bytes: "
+                        f"{'equal' if ok else 'DIFFERENT'}; per-rank NS load: {'equal' if same_plan else 'DIFFERENT'}")
             ratio = r["ns_max"] / ns_total_over_dp if ns_total_over_dp else 0
             print(f"| {layout} | {name} | {r['dp_bytes']:,.0f} | {r['dp_bytes'] / base:.3f} | {r['tp_bytes']:,.0f} | "
                   f"{r['ns_max'] / 1e9:.2f} | {ratio:.3f} | {r['state'] / 1e6:.2f} | {note} |")

@@ -10,6 +10,7 @@ import torch
 
 from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
+from tests.test_faults import poison_step
 from trainer import checkpoint
 from trainer.loop import PreemptionFlag
 from trainer.mesh import Mesh
@@ -18,22 +19,11 @@ from trainer.mesh import Mesh
 SMALL = ["trainer.seq_len=32", "eval.batches=1", "eval.batch_size=2"]
 
 
-def poison(trainer, bad_step: int) -> None:
-    """A NaN loss on one optimizer step (1-based), after a normal forward pass."""
-    forward = trainer.forward
-
-    def maybe_nan(x, y):
-        loss = forward(x, y)
-        return loss * float("nan") if trainer.step + 1 == bad_step else loss
-
-    trainer.forward = maybe_nan
-
-
 def test_skipped_step_discards_routing_counts_and_output_sums(tmp_path):
     trainer = make_trainer(tmp_path, SMALL + ["model=moe_tiny", "trainer.batch_size=2", "trainer.nonfinite=skip"])
     layers = moe_layers(trainer.model)
     assert layers
-    poison(trainer, 2)
+    poison_step(trainer, 2)
     trainer.train_step(measure=False)
     bias = [layer.expert_bias.clone() for _, layer in layers]
     stats = trainer.train_step(measure=True)  # NaN: skipped, after routing and output tracking
