@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +35,9 @@ import torch.optim._muon as torch_muon_module  # noqa: E402
 
 from optim.muon import Muon  # noqa: E402
 from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio,
+)
 
 ns_module = importlib.import_module("optim.newton_schulz")
 
@@ -57,118 +58,6 @@ def gpt_small_shapes() -> list[tuple[str, tuple[int, int]]]:
         ("w_down", (d, c["ffn_hidden"])),
     ]
     return [(f"layers.{i}.{n}", s) for i in range(c["n_layers"]) for n, s in per_layer]
-
-
-# ----------------------------------------------------------------------------- machine
-
-
-def machine_info() -> dict[str, str]:
-    fields: dict[str, str] = {}
-    flags: set[str] = set()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key == "flags" and not flags:
-                flags = set(value.split())
-            elif key in ("model name", "cpu family", "model", "stepping") and key not in fields:
-                fields[key] = value
-    caches = []
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        with contextlib.suppress(OSError):
-            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
-            size, shared = (index / "size").read_text().strip(), (index / "shared_cpu_list").read_text().strip()
-            caches.append(f"L{level} {kind.lower()} {size} (cpus {shared})")
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
-    info = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu": f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, "
-               f"model {fields.get('model', '?')}, stepping {fields.get('stepping', '?')})",
-        "cpu flags (matmul)": " ".join(isa) or "-",
-        "caches (cpu0)": "; ".join(caches) or "unknown",
-        "logical cpus": str(os.cpu_count()),
-        "torch threads": str(torch.get_num_threads()),
-        "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
-        "mkldnn (oneDNN)": str(torch.backends.mkldnn.is_available()),
-    }
-    if torch.cuda.is_available():
-        info["cuda device"] = torch.cuda.get_device_name()
-    with contextlib.suppress(OSError):
-        info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return info
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _jiffies() -> tuple[int, int] | None:
-    """(busy jiffies of the whole machine, jiffies of this process), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return sum(v) - v[3] - v[4], int(own[11]) + int(own[12])  # minus idle, iowait; utime + stime
-
-
-FOREIGN_LIMIT = 0.10  # cores' worth of other processes' CPU time tolerated during a round
-ROUND_STATS = {"kept": 0, "redone": 0}
-
-
-def interleaved_times(
-    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
-) -> dict[str, list[float]]:
-    """Seconds per call of each fn, one entry per round; each round calls every fn once.
-
-    This machine may be shared: a round during which other processes used more than
-    FOREIGN_LIMIT of a core (from /proc/stat minus our own CPU time) is thrown away and
-    redone, up to 3 * repeats extra rounds.
-    """
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    redo_budget = 3 * repeats
-    while len(next(iter(times.values()))) < repeats:
-        before, t_round = _jiffies(), time.perf_counter()
-        took = {}
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            took[name] = time.perf_counter() - t0
-        after, t_round = _jiffies(), time.perf_counter() - t_round
-        if before is not None and after is not None and redo_budget > 0:
-            hz = os.sysconf("SC_CLK_TCK")
-            foreign = ((after[0] - before[0]) - (after[1] - before[1])) / hz / t_round
-            if foreign > FOREIGN_LIMIT:
-                redo_budget -= 1
-                ROUND_STATS["redone"] += 1
-                continue
-        ROUND_STATS["kept"] += 1
-        for name, secs in took.items():
-            times[name].append(secs)
-    return times
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
-) -> dict[str, float]:
-    return {k: statistics.median(v) for k, v in interleaved_times(fns, warmup, repeats, device).items()}
-
-
-def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of time(a) / time(b): robust to drifts that hit a whole round."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -259,13 +148,6 @@ def shape_stacks(shapes) -> dict[tuple[int, int], int]:
     for _, rc in shapes:
         out[rc] = out.get(rc, 0) + 1
     return out
-
-
-def matmul_peak(dtype, device, n, warmup, repeats) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    t = interleaved_medians({"mm": lambda: a @ b}, warmup, repeats, device)["mm"]
-    return 2 * n**3 / t / 1e9
 
 
 # ----------------------------------------------------------------------------- main

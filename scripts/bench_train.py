@@ -1,21 +1,34 @@
-"""Training throughput (tokens/s) of model presets in fp32 and bf16, measured side by side.
+"""Training throughput and MFU of our trainer against a plain-PyTorch reference, side by side.
 
-    python scripts/bench_train.py                       # gpt_tiny and gpt_small, fp32 and bf16
-    python scripts/bench_train.py --models gpt_small --precisions bf16 --steps 10 optim=adamw
+    python scripts/bench_train.py                     # gpt_small, moe_small; eager, compiled; fp32, bf16
+    python scripts/bench_train.py --models gpt_small --modes eager --precisions fp32 --rounds 5
+    python scripts/bench_train.py --batch-size 8 --seq-len 512 optim=muon   # trailing: Hydra overrides
 
-Trailing arguments are Hydra overrides applied to every configuration. Each configuration runs
-the real Trainer's train step (forward, backward, clip, optimizer) on the embedded corpus; the
-configurations are interleaved round by round so drifting machine load hits them alike.
+Every configuration runs the real Trainer's train step (forward, backward, clip, optimizer;
+no logging statistics) on the embedded corpus. Beside each dense model runs
+scripts/reference_gpt.py's minimal model of the same shape, with the same batch, sequence
+length, precision and mode (eager or torch.compile), so `ours / reference` shows what the
+trainer costs on top of the bare model. Ours uses optim=adamw by default, as the reference
+does, so the ratio compares like with like (scripts/bench_optim_overhead.py covers Muon).
+
+MFU = tokens/s x model FLOPs per token (eval/flops.py) / the matmul peak of this machine,
+measured in this run: F.linear on square operands in the same precision, before and after
+the training rounds (the higher of the two counts). All configurations are interleaved
+round by round (drifting machine load hits them alike) and reported as medians; the CPU
+time other processes used meanwhile is reported too.
 """
 from __future__ import annotations
 
 import argparse
-import platform
+import re
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -24,53 +37,219 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from eval.flops import train_flops_per_token  # noqa: E402
+from scripts.bench_common import cpu_snapshot, foreign_cores, linear_peak, machine_info  # noqa: E402
+from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer  # noqa: E402
 from trainer.config import register_configs, to_dataclass, validate  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def build(model: str, precision: str, overrides: list[str], run_dir: Path) -> Trainer:
+
+@dataclass
+class Contender:
+    model: str
+    impl: str  # "ours" or "reference"
+    mode: str  # "eager" or "compiled"
+    precision: str
+    tokens_per_step: int = 0
+    flops_per_token: int = 0
+    step: Optional[Callable[[], object]] = None
+    error: str = ""
+    notes: str = ""
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.model, self.impl, self.mode, self.precision
+
+
+def one_line(err: BaseException) -> str:
+    """The error's first line, plus the underlying error torch.compile reports inside its
+    message ("... got RuntimeError('...')"), which is the part that says what failed."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0][:160] if lines else ''}"
+    inner = re.search(r"got (\w+(?:Error|Exception)\(.{0,200}?\))", str(err))
+    if inner:
+        text += f" ({inner.group(1)})"
+    return text.replace("|", "/")  # it goes into a Markdown table cell
+
+
+def graph_breaks() -> int:
+    """torch.compile graph breaks so far in this process (every compiled model's)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def build_ours(c: Contender, args: argparse.Namespace, run_dir: Path) -> Trainer:
+    overrides = [
+        f"model={c.model}", f"trainer.precision={c.precision}",
+        f"trainer.compile={str(c.mode == 'compiled').lower()}",
+        f"trainer.batch_size={args.batch_size}", f"trainer.seq_len={args.seq_len}",
+        # The peak is measured by this script; a positive value spares each Trainer its own.
+        "trainer.peak_tflops=1", "trainer.max_steps=100000", f"trainer.device={args.device}",
+        "logger.wandb.mode=disabled", f"optim={args.optim}", *args.overrides,
+    ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", [f"model={model}", f"trainer.precision={precision}",
-                                 "logger.wandb.mode=disabled", *overrides])
-    typed = to_dataclass(cfg)
-    validate(typed)
-    return Trainer(typed, run_dir)
+        cfg = to_dataclass(compose("config", overrides))
+    validate(cfg)
+    return Trainer(cfg, run_dir)
+
+
+def build_reference(ours: Trainer, c: Contender, args: argparse.Namespace) -> ReferenceTrainer:
+    m = ours.model_cfg
+    shape = ReferenceConfig(
+        vocab_size=m.vocab_size, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, max_seq_len=m.max_seq_len,
+        rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+    )
+    ref = ReferenceTrainer(shape, args.batch_size, args.seq_len, c.precision,
+                           compile=c.mode == "compiled", device=args.device)
+    n_ours, n_ref = ours.model.num_params(), sum(p.numel() for p in ref.model.parameters())
+    if n_ours != n_ref:
+        raise RuntimeError(f"reference has {n_ref} parameters, ours {n_ours}: not the same shape")
+    return ref
+
+
+def measure_peaks(precisions: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """GFLOP/s per precision (medians of load-filtered interleaved calls)."""
+    return {p: linear_peak(DTYPES[p], torch.device(args.device), args.peak_size, 2, args.peak_repeats)
+            for p in precisions}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_small"])
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["gpt_small", "moe_small"])
+    ap.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
+    ap.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--optim", default="adamw", help="our trainer's optimizer (the reference's is AdamW)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed interleaved rounds (compilation)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per configuration per round")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--peak-size", type=int, default=1024, help="side of the square peak matmul")
+    ap.add_argument("--peak-repeats", type=int, default=5)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for our trainer")
+    args = ap.parse_args()
     register_configs()
+    started = time.perf_counter()
+
+    print(f"# Training throughput and MFU ({date.today().isoformat()})\n")
+    for k, v in machine_info().items():
+        print(f"- {k}: {v}")
+    print(f"- command: {' '.join(sys.argv)}")
+    peaks_before = measure_peaks(args.precisions, args)
+
+    contenders: list[Contender] = []
+    for model in args.models:
+        for mode in args.modes:
+            for precision in args.precisions:
+                contenders.append(Contender(model, "ours", mode, precision))
+                contenders.append(Contender(model, "reference", mode, precision))
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {
-            (m, p): build(m, p, args.overrides, Path(tmp))
-            for m in args.models for p in args.precisions
-        }
-        times: dict[tuple[str, str], list[float]] = {k: [] for k in trainers}
-        for trainer in trainers.values():  # warm-up: first-touch allocations, kernel choice
-            trainer.train_step(measure=False)
-        for _ in range(args.rounds):
-            for key, trainer in trainers.items():
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    trainer.train_step(measure=False)
-                times[key].append((time.perf_counter() - start) / args.steps)
+        built: dict[tuple[str, str, str, str], Trainer] = {}
+        for c in contenders:
+            try:
+                if c.impl == "ours":
+                    trainer = build_ours(c, args, Path(tmp) / "_".join(c.key))
+                    built[c.key] = trainer
+                    c.step = lambda t=trainer: t.train_step(measure=False)
+                    c.tokens_per_step = trainer.tokens_per_step
+                    c.flops_per_token = trainer.flops_per_token
+                else:
+                    ours = built.get((c.model, "ours", c.mode, c.precision))
+                    if ours is None or args.no_reference or ours.model_cfg.n_experts > 0:
+                        c.error = "-"  # the reference is a dense model only
+                        continue
+                    ref = build_reference(ours, c, args)
+                    c.step = ref.step
+                    c.tokens_per_step = ref.tokens_per_step
+                    c.flops_per_token = train_flops_per_token(ours.model_cfg, args.seq_len)
+            except Exception as err:  # report it in the table; the other rows still run
+                c.error = one_line(err)
+        live = [c for c in contenders if c.step is not None and not c.error]
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}")
-    print(f"overrides: {' '.join(args.overrides) or '(none)'}")
-    print("| model | precision | tokens/step | step s (median) | tokens/s |")
-    print("| --- | --- | --- | --- | --- |")
-    for (model, precision), samples in times.items():
-        tokens = trainers[(model, precision)].tokens_per_step
-        step_s = statistics.median(samples)
-        print(f"| {model} | {precision} | {tokens} | {step_s:.3f} | {tokens / step_s:,.0f} |")
+        # Warm-up: compilation, first-touch allocations, kernel choice. Interleaved like the
+        # timed rounds, because compiled models of one class share torch.compile's code
+        # cache: compiling one can make another recompile at its next call.
+        breaks = {c.key: 0 for c in live}
+        for w in range(args.warmup):
+            for c in live:
+                if c.step is None:
+                    continue
+                t0, before = time.perf_counter(), graph_breaks()
+                try:
+                    c.step()
+                except Exception as err:
+                    c.error = ("compile failed: " if c.mode == "compiled" else "") + one_line(err)
+                    c.step = None
+                breaks[c.key] += graph_breaks() - before
+                print(f"  warm-up {w + 1}/{args.warmup} {' '.join(c.key)}: {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
+        live = [c for c in live if c.step is not None]
+        for c in live:
+            if breaks[c.key]:
+                c.notes = f"{breaks[c.key]} graph break(s) while compiling"
+
+        foreign: list[float] = []
+        for r in range(args.rounds):
+            before, t_round = cpu_snapshot(), time.perf_counter()
+            for c in live:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    c.step()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                c.times.append((time.perf_counter() - t0) / args.steps)
+            t_round = time.perf_counter() - t_round
+            load = foreign_cores(before, cpu_snapshot(), t_round)
+            if load is not None:
+                foreign.append(load)
+            print(f"  round {r + 1}/{args.rounds}: {t_round:.1f} s", file=sys.stderr, flush=True)
+    peaks_after = measure_peaks(args.precisions, args)
+    peaks = {p: max(peaks_before[p], peaks_after[p]) for p in args.precisions}
+
+    print(f"\nBatch {args.batch_size} x {args.seq_len} tokens per step; ours: optim={args.optim}"
+          f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; reference: AdamW. "
+          f"{args.warmup} warm-up + {args.rounds} interleaved rounds x {args.steps} step(s), median.\n")
+    print(f"| precision | F.linear {args.peak_size}^2 GFLOP/s, before | after | peak used |")
+    print("| --- | ---: | ---: | ---: |")
+    for p in args.precisions:
+        print(f"| {p} | {peaks_before[p]:.1f} | {peaks_after[p]:.1f} | {peaks[p]:.1f} |")
+
+    print("\n| model | impl | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU "
+          "| ours / reference | notes |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    rate: dict[tuple[str, str, str, str], float] = {}
+    for c in contenders:
+        if c.times:
+            rate[c.key] = c.tokens_per_step / statistics.median(c.times)
+    for c in contenders:
+        cells = [c.model, c.impl, c.mode, c.precision]
+        if c.key not in rate:
+            if c.error != "-":
+                print("| " + " | ".join(cells) + f" | | | | | | | {c.error} |")
+            continue
+        tps = rate[c.key]
+        gflops = tps * c.flops_per_token / 1e9
+        ref = rate.get((c.model, "reference", c.mode, c.precision))
+        ratio = f"{tps / ref:.2f}" if c.impl == "ours" and ref else ""
+        print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | {statistics.median(c.times):.3f} "
+              f"| {tps:,.0f} | {gflops:.1f} | {100 * gflops / peaks[c.precision]:.1f}% | {ratio} | {c.notes} |")
+    per_model = {c.model: c.flops_per_token for c in contenders if c.impl == "ours" and c.flops_per_token}
+    if per_model:
+        print("\nModel FLOPs per trained token (eval/flops.py: 6 x active matmul weights + causal "
+              f"attention, seq_len {args.seq_len}): "
+              + ", ".join(f"{m} {f / 1e6:.1f} M" for m, f in per_model.items()) + ".")
+    if foreign:
+        print(f"Other processes' CPU use during the timed rounds: {statistics.mean(foreign):.2f} cores "
+              f"on average (max {max(foreign):.2f}); this process runs {torch.get_num_threads()} torch threads.")
+    print(f"Wall time: {time.perf_counter() - started:.0f} s.")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def test_twenty_step_run_loss_falls_and_metrics_are_logged(adamw_run):
         assert key in last, key
     assert last["tokens"] == 20 * 8 * 128
     assert last["perf/tokens_per_s"] > 0
+    # Model FLOP/s over the peak measured at start-up: a fraction, and never zero.
+    assert all(0 < r["perf/mfu"] <= 1 for r in records if "perf/tokens_per_s" in r)
     # val loss was logged twice (step 10 and the end) and improved
     val = [r["val/val/loss"] for r in records if "val/val/loss" in r]
     assert len(val) == 2 and val[1] < val[0]

@@ -38,6 +38,11 @@ class TrainerConfig:
     # A NaN/inf loss or gradient: "skip" drops that step's update and counts it
     # (train/skipped_steps); "stop" exits with an error, keeping the last good checkpoint.
     nonfinite: str = "skip"
+    # Peak matmul TFLOP/s of one device, the denominator of perf/mfu. 0: measured once at
+    # start-up (about a second of F.linear matmuls in trainer.precision on the training
+    # device), since a CPU has no datasheet figure worth trusting; set it to compare runs
+    # against a fixed figure (e.g. a GPU's dense bf16 peak).
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -152,6 +157,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.precision", t.precision, ("bf16", "fp32"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
+    if not t.peak_tflops >= 0:  # also rejects NaN
+        raise ConfigError(f"trainer.peak_tflops must be >= 0 (0 = measure at start-up), got {t.peak_tflops}")
 
     _positive("model.n_layers", m.n_layers)
     _positive("model.n_heads", m.n_heads)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from data.loader import TrainBatches, eval_batches
 from data.pipeline import PreparedData, prepare_data
 from eval.evaluate import attention_max_logits, eval_losses
+from eval.flops import device_peak_flops, train_flops_per_token
 from eval.health import HealthStats
 from model.comm import COUNTER as COMM, region
 from model.gpt import GPT
@@ -116,6 +117,9 @@ class Trainer:
 
         self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
         self.tokens_per_step = self.global_batch * t.seq_len
+        # perf/mfu = model FLOP/s / (world size * one device's peak).
+        self.flops_per_token = train_flops_per_token(self.model_cfg, t.seq_len)
+        self.peak_flops = t.peak_tflops * 1e12 or self._measure_peak()
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
         self.eval_sets = self._eval_sets()
         self.step = 0
@@ -134,6 +138,21 @@ class Trainer:
                 self.model_cfg.name, sum(p.numel() for p in self.params) / 1e6,
                 self.mesh.dp, self.mesh.tp, self.tokens_per_step,
             )
+            log.info(
+                "%.1f MFLOP per trained token; peak %.3f TFLOP/s per device (%s)",
+                self.flops_per_token / 1e6, self.peak_flops / 1e12,
+                "trainer.peak_tflops" if t.peak_tflops else f"measured, {t.precision} matmul",
+            )
+
+    def _measure_peak(self) -> float:
+        """This device's matmul FLOP/s in trainer.precision, measured once at start-up.
+
+        The ranks measure together (hence the barrier), so ranks sharing a machine measure
+        the share of it they will train with, not a moment when the others were idle.
+        """
+        if self.mesh.world_size > 1:
+            dist.barrier()
+        return device_peak_flops(self.device, self.cfg.trainer.precision)
 
     def _eval_sets(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
@@ -273,6 +292,9 @@ class Trainer:
                     metrics = {k: float(v) for k, v in stats.items()}
                     metrics["perf/step_s"] = elapsed / window_steps
                     metrics["perf/tokens_per_s"] = self.tokens_per_step * window_steps / elapsed
+                    metrics["perf/mfu"] = metrics["perf/tokens_per_s"] * self.flops_per_token / (
+                        mesh.world_size * self.peak_flops
+                    )
                     metrics["mem/optim_state_bytes"] = float(self.optimizer.state_bytes())
                     if mesh.world_size > 1:
                         metrics.update(COMM.metrics(window_steps))

@@ -1,0 +1,160 @@
+"""Shared helpers of the benchmark scripts: machine description, interleaved timing with a
+filter for other processes' CPU load, and measured matmul peaks (MFU needs a peak measured
+in the same run, not a datasheet figure)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    flags: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "flags" and not flags:
+                flags = set(value.split())
+            elif key in ("model name", "cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        with contextlib.suppress(OSError):
+            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+            size, shared = (index / "size").read_text().strip(), (index / "shared_cpu_list").read_text().strip()
+            caches.append(f"L{level} {kind.lower()} {size} (cpus {shared})")
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags]
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')}, "
+               f"model {fields.get('model', '?')}, stepping {fields.get('stepping', '?')})",
+        "cpu flags (matmul)": " ".join(isa) or "-",
+        "caches (cpu0)": "; ".join(caches) or "unknown",
+        "logical cpus": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn (oneDNN)": str(torch.backends.mkldnn.is_available()),
+    }
+    if torch.cuda.is_available():
+        info["cuda device"] = torch.cuda.get_device_name()
+    with contextlib.suppress(OSError):
+        info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return info
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _jiffies() -> tuple[int, int] | None:
+    """(busy jiffies of the whole machine, jiffies of this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return sum(v) - v[3] - v[4], int(own[11]) + int(own[12])  # minus idle, iowait; utime + stime
+
+
+FOREIGN_LIMIT = 0.10  # cores' worth of other processes' CPU time tolerated during a round
+ROUND_STATS = {"kept": 0, "redone": 0}
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn, one entry per round; each round calls every fn once.
+
+    This machine may be shared: a round during which other processes used more than
+    FOREIGN_LIMIT of a core (from /proc/stat minus our own CPU time) is thrown away and
+    redone, up to 3 * repeats extra rounds.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    redo_budget = 3 * repeats
+    while len(next(iter(times.values()))) < repeats:
+        before, t_round = _jiffies(), time.perf_counter()
+        took = {}
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            took[name] = time.perf_counter() - t0
+        after, t_round = _jiffies(), time.perf_counter() - t_round
+        if before is not None and after is not None and redo_budget > 0:
+            hz = os.sysconf("SC_CLK_TCK")
+            foreign = ((after[0] - before[0]) - (after[1] - before[1])) / hz / t_round
+            if foreign > FOREIGN_LIMIT:
+                redo_budget -= 1
+                ROUND_STATS["redone"] += 1
+                continue
+        ROUND_STATS["kept"] += 1
+        for name, secs in took.items():
+            times[name].append(secs)
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], warmup: int, repeats: int, device: torch.device
+) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, warmup, repeats, device).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of time(a) / time(b): robust to drifts that hit a whole round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+# ----------------------------------------------------------------------------- peaks
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, n: int, warmup: int, repeats: int) -> float:
+    """GFLOP/s of `a @ b` on n x n operands (median of interleaved, load-filtered calls)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t = interleaved_medians({"mm": lambda: a @ b}, warmup, repeats, device)["mm"]
+    return 2 * n**3 / t / 1e9
+
+
+def linear_peak(dtype: torch.dtype, device: torch.device, n: int, warmup: int, repeats: int) -> float:
+    """GFLOP/s of F.linear on n x n operands, the op every model projection runs: on CPU
+    its bf16 kernel can be several times faster or slower than that of `a @ b`."""
+    x = torch.randn(n, n, device=device).to(dtype)
+    w = torch.randn(n, n, device=device).to(dtype)
+    t = interleaved_medians({"linear": lambda: F.linear(x, w)}, warmup, repeats, device)["linear"]
+    return 2 * n**3 / t / 1e9
+
+
+def cpu_snapshot() -> tuple[int, int] | None:
+    """(busy jiffies of the whole machine, jiffies of this process), or None off Linux."""
+    return _jiffies()
+
+
+def foreign_cores(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float) -> float | None:
+    """Cores' worth of CPU time that other processes used between two cpu_snapshot()s."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    # Clamped: the two counters tick separately, so an idle machine can read a hair below 0.
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / hz / seconds)
