@@ -34,6 +34,8 @@ def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # the eager CPU kernel takes fp32, but its compile-time (meta) rule does not
     aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[-1], w.shape[-1]))
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and aligned)
 

@@ -187,3 +187,12 @@ def test_router_scores_are_fp32_under_bf16_autocast():
     assert scores.dtype == gates.dtype == torch.float32
     # the same fp32 numbers as without autocast (bf16 logits would be off by ~1e-3)
     torch.testing.assert_close(scores, expected, rtol=0, atol=1e-6)
+
+
+def test_compiled_fp32_moe_layer_equals_eager():
+    """torch._grouped_mm's CPU kernel takes fp32 but its compile-time rule does not: under
+    torch.compile the layer must fall back to the per-expert loop and compute the same."""
+    torch.manual_seed(0)
+    layer = GPT(CFG).blocks[1].mlp
+    x = torch.randn(2, 8, CFG.d_model)
+    torch.testing.assert_close(torch.compile(layer)(x), layer(x), rtol=1e-5, atol=1e-6)
