@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--peak-size", type=int, default=2048, help="side of the peak matmul")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
+                    help="Newton-Schulz dtypes to time (bf16 is very slow on CPUs without bf16 matmul units)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,7 +184,8 @@ def main() -> None:
                    coefficients="classic", adjust_lr="match_rms_adamw", eps=1e-7)
     kw_torch = dict(lr=LR, weight_decay=WD, momentum=0.95, nesterov=True, ns_steps=steps,
                     eps=1e-7, adjust_lr_fn="match_rms_adamw")
-    for label, ns in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    for label, ns in ((k, dtypes[k]) for k in args.dtypes):
         contenders[f"ours {label}"] = Muon(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
@@ -195,7 +198,7 @@ def main() -> None:
     print("| NS dtype | torch.optim.Muon ms | ours ms | ours / torch | same, paired per round "
           "| ours, one stack per shape ms | ours, one matrix at a time ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for label in ("bf16", "fp32"):
+    for label in args.dtypes:
         tt, to = t[f"torch {label}"], t[f"ours {label}"]
         t1, tp = t[f"ours {label} one-stack"], t[f"ours {label} per-matrix"]
         pr = paired_ratio(times, f"ours {label}", f"torch {label}")
@@ -235,25 +238,22 @@ def main() -> None:
     def theirs(fn):
         return lambda: [fn(x, coeffs, steps, 1e-7) for x in singles]
 
-    fns = {
-        "ours bf16": ours(torch.bfloat16),
-        "torch bf16": theirs(_torch_ns),
-        "ours fp32": ours(torch.float32),
-        "torch fp32": theirs(_torch_ns_fp32),
-    }
+    torch_ns = {"bf16": _torch_ns, "fp32": _torch_ns_fp32}
+    fns = {}
+    for label in args.dtypes:
+        fns[f"ours {label}"] = ours(dtypes[label])
+        fns[f"torch {label}"] = theirs(torch_ns[label])
     ns_times = interleaved_times(fns, args.warmup, args.repeats, device)
     tn = {k: statistics.median(v) for k, v in ns_times.items()}
-    peak = {
-        "bf16": matmul_peak(torch.bfloat16, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
-        "fp32": matmul_peak(torch.float32, device, args.peak_size, args.warmup, max(5, args.repeats // 2)),
-    }
+    peak = {label: matmul_peak(dtypes[label], device, args.peak_size, args.warmup, max(5, args.repeats // 2))
+            for label in args.dtypes}
     print(f"FLOPs per optimizer step: {flops / 1e9:.2f} GFLOP "
           f"(per step and m x n wide matrix: 4m^2n + 2m^3 + elementwise; {steps} steps)")
     print("GFLOP/s below are effective: those FLOPs over the time, also for our fp32 path on "
           "CPU, which computes only the upper block triangle of the symmetric A and B.\n")
     print(f"| NS dtype | matmul peak GFLOP/s ({args.peak_size}^2) | impl | NS ms | NS GFLOP/s | % of peak | ours / torch, paired |")
     print("|---|---:|---|---:|---:|---:|---:|")
-    for label in ("bf16", "fp32"):
+    for label in args.dtypes:
         for impl in ("ours", "torch"):
             secs = tn[f"{impl} {label}"]
             gf = flops / secs / 1e9
