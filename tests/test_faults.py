@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -110,9 +111,11 @@ def launch_torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "--max-restarts=1", "train.py", f"hydra.run.dir={run_dir}", *args, "trainer.batch_size=1",
-         "trainer.max_steps=16", "checkpoint.interval=3", *extra],
+         "trainer.max_steps=16", "checkpoint.interval=3",
+         "parallel.timeout_s=120",  # a restart that cannot reconnect fails instead of hanging
+         *extra],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 

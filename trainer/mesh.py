@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from model.comm import label_group
 
@@ -123,9 +124,17 @@ def init_mesh(tp: int, device: torch.device, backend: str = "auto", timeout_s: f
     if world_size == 1:
         return Mesh()
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, size = next(rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store across --max-restarts: without a per-round prefix the
+        # restarted ranks would read the dead round's gloo addresses and fail to connect.
+        store = dist.PrefixStore(f"round_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(
             backend=default_backend(device) if backend == "auto" else backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     return build_mesh(tp)
