@@ -42,6 +42,14 @@ def one_line(err: Exception) -> str:
     return f"{full_key}: {first}" if full_key and full_key not in first else first
 
 
+def exit_bad_input(err: Exception) -> None:
+    """Bad input is the user's to fix: one line naming the key or file, not a traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    print(f"error: {one_line(err)}", file=sys.stderr)
+    sys.exit(2)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
@@ -54,11 +62,7 @@ def main(cfg: DictConfig) -> float:
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)
     except (ValueError, OmegaConfBaseException) as err:
-        # Bad input is the user's to fix: one line naming the key, not a traceback.
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
+        exit_bad_input(err)
 
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -71,11 +75,8 @@ def main(cfg: DictConfig) -> float:
         final = trainer.train()
     except (DataConfigError, CheckpointError) as err:
         # Found only once the data or the checkpoint is opened (a text field the dataset
-        # lacks, a checkpoint of another model), but still the user's input: one line.
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
+        # lacks, a checkpoint of another model), but still the user's input.
+        exit_bad_input(err)
     except NonFiniteLoss as err:
         if not multirun:
             print(f"error: {err}", file=sys.stderr)
