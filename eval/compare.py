@@ -112,11 +112,11 @@ def ewm(values: list[float], alpha: float) -> list[float]:
 
 @dataclass
 class Lead:
-    step_a: int
-    step_b: Optional[int]  # None: B never reaches A's loss
+    step_a: float
+    step_b: Optional[float]  # None: B never reaches A's loss
 
     @property
-    def difference(self) -> Optional[int]:
+    def difference(self) -> Optional[float]:
         return None if self.step_b is None else self.step_b - self.step_a
 
     @property
@@ -124,11 +124,69 @@ class Lead:
         return None if self.step_b is None else self.step_b / self.step_a
 
 
+def first_reach(curve: Series, target: float) -> Optional[float]:
+    """The first step at which `curve` is at or below `target`, interpolated linearly between
+    the two logged points around the crossing: val losses are logged every few dozen steps,
+    and snapping to the next logged point would bias every ratio upward by up to one interval."""
+    previous: Optional[tuple[int, float]] = None
+    for step, value in zip(*curve):
+        if value <= target:
+            if previous is None or previous[1] == value:
+                return float(step)
+            s0, v0 = previous
+            return s0 + (v0 - target) / (v0 - value) * (step - s0)
+        previous = (step, value)
+    return None
+
+
 def leading_steps(a: Series, b: Series) -> list[Lead]:
-    """For each step of A, the first step of B whose loss is <= A's loss at that step."""
-    steps_b, loss_b = b
-    leads = []
-    for step, loss in zip(*a):
-        reached = next((s for s, v in zip(steps_b, loss_b) if v <= loss), None)
-        leads.append(Lead(step, reached))
-    return leads
+    """For each step of A, the (interpolated) first step at which B's loss is <= A's loss there."""
+    return [Lead(step, first_reach(b, loss)) for step, loss in zip(*a)]
+
+
+@dataclass
+class InRunRatio:
+    """How many times more steps B needs than A for the same loss, read along two runs:
+    at B's crossing of A's final loss when B gets there, otherwise at A's crossing of B's
+    final loss (the usual case when A is faster and both runs have the same length)."""
+    steps_b: float
+    steps_a: float
+    reference: str  # whose final loss the crossing is measured at: "A" or "B"
+
+    @property
+    def ratio(self) -> float:
+        return self.steps_b / self.steps_a
+
+
+def in_run_ratio(a: Series, b: Series) -> Optional[InRunRatio]:
+    if not a[0] or not b[0]:
+        return None
+    b_at_a_final = first_reach(b, a[1][-1])
+    if b_at_a_final is not None:
+        return InRunRatio(b_at_a_final, float(a[0][-1]), "A")
+    a_at_b_final = first_reach(a, b[1][-1])
+    if a_at_b_final is None:  # neither reaches the other's final loss: cannot happen, but be exact
+        return None
+    return InRunRatio(float(b[0][-1]), a_at_b_final, "B")
+
+
+@dataclass
+class ScheduleRatio:
+    """The "honest" ratio: B (e.g. AdamW) re-run with longer schedules, everything else equal;
+    the schedule length, relative to A's, at which B's *final* loss reaches A's final loss,
+    interpolated linearly between the lengths run. None when even the longest does not."""
+    lengths: list[float]  # B's schedule lengths / A's, ascending
+    finals: list[float]  # B's final loss at each length
+    target: float  # A's final loss
+    ratio: Optional[float]
+
+
+def schedule_ratio(target: float, lengths: list[float], finals: list[float]) -> ScheduleRatio:
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    lengths, finals = [lengths[i] for i in order], [finals[i] for i in order]
+    ratio = first_reach((lengths, finals), target)  # type: ignore[arg-type]
+    return ScheduleRatio(lengths, finals, target, ratio)
+
+
+def final_step(run: Run, key: str) -> Optional[int]:
+    return run.series[key][0][-1] if key in run.series and run.series[key][0] else None

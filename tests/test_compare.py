@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.compare import best_per_optimizer, ewm, find_runs, leading_steps, load_run
+from eval.compare import (
+    best_per_optimizer, ewm, find_runs, first_reach, in_run_ratio, leading_steps, load_run, schedule_ratio,
+)
 from tests.conftest import REPO
 
 
@@ -28,6 +30,36 @@ def test_leading_steps_picks_the_first_step_at_or_below():
     a = ([10, 20], [5.0, 3.0])
     b = ([1, 2, 3, 4], [6.0, 5.0, 3.5, 3.0])
     assert [(l.step_a, l.step_b) for l in leading_steps(a, b)] == [(10, 2), (20, 4)]
+
+
+def test_crossings_are_interpolated_between_logged_points():
+    # val every 10 steps: 4.0 at step 10, 2.0 at step 20, so 3.0 is reached at step 15, not 20
+    assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 3.0) == pytest.approx(15.0)
+    assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 4.0) == 10.0
+    assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 1.0) is None
+    assert [l.step_b for l in leading_steps(([10], [4.5]), ([0, 10, 20], [5.0, 4.0, 2.0]))] == [5.0]
+
+
+def test_in_run_ratio_reads_the_crossing_of_whichever_final_loss_is_reached():
+    steps = list(range(1, 101))
+    muon = (steps, [10.0 / s for s in steps])
+    adamw = (steps, [20.0 / s for s in steps])
+    # equal lengths: AdamW never reaches Muon's final 0.1; Muon reaches AdamW's final 0.2 at 50
+    r = in_run_ratio(muon, adamw)
+    assert (r.reference, r.steps_b, r.steps_a, r.ratio) == ("B", 100.0, 50.0, 2.0)
+    # AdamW twice as long: it reaches Muon's final loss at step 200
+    longer = (list(range(1, 201)), [20.0 / s for s in range(1, 201)])
+    r = in_run_ratio(muon, longer)
+    assert (r.reference, r.steps_b, r.steps_a, r.ratio) == ("A", 200.0, 100.0, 2.0)
+
+
+def test_schedule_ratio_interpolates_between_schedule_lengths():
+    lengths, finals = [2.0, 1.0, 1.5, 1.25], [2.6, 3.0, 2.8, 2.9]  # any order
+    s = schedule_ratio(2.7, lengths, finals)
+    assert s.lengths == [1.0, 1.25, 1.5, 2.0] and s.finals == [3.0, 2.9, 2.8, 2.6]
+    assert s.ratio == pytest.approx(1.75)  # 2.7 is halfway from 2.8 (1.5x) to 2.6 (2x)
+    assert schedule_ratio(2.5, lengths, finals).ratio is None  # not reached even at 2x
+    assert schedule_ratio(3.1, lengths, finals).ratio == 1.0  # the equal-length run already does
 
 
 def test_ewm_is_bias_corrected_and_follows_the_recurrence():
@@ -72,7 +104,8 @@ def test_cli_writes_plots_and_the_summary_ratio(tmp_path):
     # Muon's final loss (10/50) is AdamW's at step 100: 100 steps vs 50, ratio 2
     for key in ("train/loss", "val/val/loss", "val/ood_prose/loss"):
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {key} "))
-        assert row.replace(" ", "").endswith("|100|50|2.000|"), row
+        assert row.replace(" ", "").endswith("|100|50|2.000|A|"), row
+    assert (tmp_path / "cmp" / "summary.md").read_text() in proc.stdout
 
 
 def test_a_resumed_run_keeps_the_last_record_of_each_step(tmp_path):
@@ -95,3 +128,46 @@ def test_sweep_of_tensorboard_only_runs_is_found_and_read(tmp_path):
     runs = [load_run(p) for p in find_runs(tmp_path / "sweep")]
     assert [r.path.name for r in runs] == ["0", "1"]
     assert runs[1].series["val/val/loss"] == ([1, 2], [3.0, 2.5])
+
+
+def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
+    """A sweep of two lrs per optimizer, plus AdamW re-run at 1.5x and 2x of Muon's 40 steps."""
+    def curve(scale: float, steps: int) -> list[float]:
+        return [scale * 10.0 / s for s in range(1, steps + 1)]
+
+    write_run(tmp_path / "sweep" / "0", "muon", 1e-3, curve(1.0, 40))
+    write_run(tmp_path / "sweep" / "1", "muon", 3e-3, curve(1.2, 40))
+    write_run(tmp_path / "sweep" / "2", "adamw", 1e-3, curve(1.5, 40))
+    write_run(tmp_path / "sweep" / "3", "adamw", 3e-3, curve(1.6, 40))
+    write_run(tmp_path / "longer" / "0", "adamw", 1e-3, curve(1.5, 60))
+    write_run(tmp_path / "longer" / "1", "adamw", 1e-3, curve(1.5, 80))
+    with open(tmp_path / "sweep" / "0" / "metrics.jsonl", "a") as f:  # health metrics get plots
+        f.write(json.dumps({"step": 40, "optim/update_rms/mlp_in": 0.2, "model/output_rms/final": 1.0}) + "\n")
+    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "sweep"),
+                           "--longer", str(tmp_path / "longer"), "--out", str(tmp_path / "cmp")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # the sweep table: every run, final val (loss + 0.1) and OOD (loss + 1) losses, best marked
+    assert "| muon (best) | 0.001 | 0.3500 | 1.2500 |" in lines
+    assert "| adamw | 0.003 | 0.5000 | 1.4000 |" in lines
+    # Muon's final val 0.35 (loss 0.25); AdamW's final loss 15/n reaches 0.25 at n = 60 steps:
+    # 1.5x exactly, for val and OOD alike
+    honest = lines[next(i for i, line in enumerate(lines) if line.startswith("## Schedule ratio")):]
+    assert "| loss | A final | B at 1x | B at 1.5x | B at 2x | schedule ratio B/A |" in honest
+    for key in ("val/val/loss", "val/ood_prose/loss"):
+        row = next(line for line in honest if line.startswith(f"| {key} "))
+        assert row.replace(" ", "").endswith("|1.500|"), row
+    for name in ("update_rms.png", "output_rms.png"):
+        assert (tmp_path / "cmp" / name).stat().st_size > 1000
+
+
+def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0])
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5])
+    write_run(tmp_path / "wrong", "muon", 1e-3, [3.0, 2.5, 2.0])
+    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "muon"), str(tmp_path / "adamw"),
+                           "--longer", str(tmp_path / "wrong"), "--out", str(tmp_path / "cmp")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --longer run") and "adamw" in proc.stderr

@@ -60,14 +60,15 @@ def test_regions_cost_nothing_when_no_profiler_records():
 
 @pytest.fixture(scope="module")
 def dp2_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("dp2")
-    run_distributed(_train_worker, 2, str(run_dir), [])
+    """DP=2 x TP=2 on 4 gloo processes: both kinds of communication in one trace."""
+    run_dir = tmp_path_factory.mktemp("dp2tp2")
+    run_distributed(_train_worker, 4, str(run_dir), ["parallel.tp=2"])
     return run_dir
 
 
-def test_dp2_trace_reports_compute_and_communication_on_every_rank(dp2_run):
+def test_dp2_tp2_trace_reports_compute_and_communication_on_every_rank(dp2_run):
     ranks = ts.analyze_run(dp2_run)
-    assert [r.rank for r in ranks] == [0, 1]
+    assert [r.rank for r in ranks] == [0, 1, 2, 3]
     for r in ranks:
         assert r.steps == [2, 3]
         assert r.parts["compute"] > 0 and r.parts["comm"] > 0 and r.optimizer_step > 0
@@ -75,6 +76,8 @@ def test_dp2_trace_reports_compute_and_communication_on_every_rank(dp2_run):
         assert abs(sum(r.fractions.values()) - 1) < 1e-6
         # ZeRO-1: gradients are reduce-scattered, parameters all-gathered over DP.
         assert r.comm_by_op.get("dp/reduce_scatter", 0) > 0 and r.comm_by_op.get("dp/all_gather", 0) > 0
+        # Row-parallel outputs are all-reduced over TP, and Muon gathers the sharded momenta.
+        assert r.comm_by_op.get("tp/all_reduce", 0) > 0 and r.comm_by_op.get("tp/all_gather", 0) > 0
         assert sum(r.comm_by_op.values()) == pytest.approx(r.parts["comm"])
 
 
