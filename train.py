@@ -85,6 +85,12 @@ def main(cfg: DictConfig) -> float:
         log.error("job %s (%s) diverged; the sweep continues: %s",
                   hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults", err)
         return float("nan")
+    except Exception:
+        if multirun:
+            # Hydra runs the next job and re-raises this only once the whole sweep is over:
+            # put the traceback in this job's log now, where the user looks first.
+            log.exception("job %s (%s) failed", hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults")
+        raise
     finally:
         end_job(trainer.mesh if trainer is not None else None, multirun)
     # The return value is what Hydra sweepers optimise: the final in-domain val loss.

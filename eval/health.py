@@ -38,8 +38,12 @@ class HealthStats:
         """RMS of the update actually applied (weight decay included), divided by the lr.
 
         Dividing by lr makes the figure comparable across the schedule: under Muon's
-        match_rms_adamw scaling it sits near 0.2, AdamW's typical update RMS.
+        match_rms_adamw scaling it sits near 0.2, AdamW's typical update RMS. At lr 0 (the
+        last step of a schedule that decays to 0) nothing moves and the ratio is undefined:
+        no update RMS is reported for that step.
         """
+        if lr <= 0:
+            return {}
         deltas = [
             [p.detach() - old for p, old in zip(plist, olds)]
             for plist, olds in zip(self.params, before)

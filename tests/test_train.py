@@ -108,3 +108,20 @@ def test_compiled_training_matches_eager(tmp_path):
     compiled = train(tmp_path / "compiled", *common, "trainer.compile=true")
     for a, b in zip(eager, compiled):
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-4 * a["train/loss"]
+
+
+def test_a_schedule_that_decays_to_zero_completes_its_last_step(tmp_path):
+    """Cosine to min_lr=0 reaches lr 0 on the last step, where update RMS / lr is undefined:
+    the run must still log that step, evaluate and save its checkpoint."""
+    records = train(
+        tmp_path, "model=gpt_tiny", "optim=muon", "trainer.max_steps=6", "trainer.batch_size=2",
+        "trainer.seq_len=64", "eval.interval=0", "eval.batches=1", "logger.interval=1",
+        "optim.warmup_steps=2", "optim.min_lr=0.0", "trainer.precision=fp32", "optim.muon.ns_dtype=fp32",
+    )
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    last = records[-1]
+    assert last["optim/lr"] == 0.0
+    assert "val/val/loss" in last and "model/output_rms/final" in last
+    assert not any(k.startswith("optim/update_rms/") for k in last)
+    assert all(records[i]["optim/update_rms/mlp_in"] > 0 for i in range(1, 5))
+    assert (tmp_path / "checkpoints" / "step_00000006.pt").exists()
