@@ -63,7 +63,7 @@ def plot_losses(runs: list[Run], keys: list[str], alpha: float, out: Path) -> Pa
         ax.set_xlabel("step")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "losses.png", dpi=100)
+    fig.savefig(out / "losses.png", dpi=80)
     plt.close(fig)
     return out / "losses.png"
 
@@ -77,14 +77,15 @@ def plot_leading_steps(a: Run, b: Run, keys: list[str], alpha: float, out: Path)
         leads = leading_steps(smoothed(a, key, alpha), smoothed(b, key, alpha))
         reached = [l for l in leads if l.step_b is not None]
         row[0].plot([l.step_a for l in reached], [l.difference for l in reached], marker=".")
-        row[0].set_title(f"{key}: {b.label} steps - {a.label} steps")
+        row[0].set_title(f"{key}: steps B - A")
         row[1].plot([l.step_a for l in reached], [l.ratio for l in reached], marker=".")
         row[1].axhline(1.0, color="grey", lw=0.5)
-        row[1].set_title(f"{key}: ratio {b.label} / {a.label}")
+        row[1].set_title(f"{key}: steps B / A")
         for ax in row:
-            ax.set_xlabel(f"{a.label} step")
+            ax.set_xlabel("step of A")
+    fig.suptitle(f"steps B needs to reach A's loss: A = {a.label}, B = {b.label}")
     fig.tight_layout()
-    fig.savefig(out / "leading_steps.png", dpi=100)
+    fig.savefig(out / "leading_steps.png", dpi=80)
     plt.close(fig)
     return out / "leading_steps.png"
 
