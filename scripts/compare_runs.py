@@ -138,7 +138,7 @@ def in_run_table(a: Run, b: Run, keys: list[str], alpha: float) -> list[str]:
             continue
         r = in_run_ratio(smoothed(a, key, alpha), smoothed(b, key, alpha))
         cells = ["-", "-", "-", "-"] if r is None else [
-            f"{r.steps_b:.4g}", f"{r.steps_a:.4g}", f"{r.ratio:.3f}", "A" if r.reference == "A" else "B"]
+            f"{r.steps_b:.4g}", f"{r.steps_a:.4g}", f"{r.ratio:.3f}", r.reference]
         lines.append(f"| {key} | {a.final(key):.4f} | {b.final(key):.4f} | " + " | ".join(cells) + " |")
     return lines
 
