@@ -4,10 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# What the targets below need first: the virtualenv. On a machine whose own python already has
+# the requirements (e.g. a GPU image with its own torch), skip it: make test-gpu PY=python3 SETUP=
+SETUP ?= $(STAMP)
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="model=gpt_small optim=adamw"
 ARGS ?=
 
-.PHONY: setup run test test-slow test-all clean
+.PHONY: setup run test test-slow test-gpu test-all clean
 
 setup: $(STAMP)
 
@@ -17,16 +20,21 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(SETUP)
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+# The CPU suite: numerics on the CPU and gloo, whatever GPUs the machine has.
+test: $(SETUP)
+	$(PY) -m pytest -m "not slow and not gpu"
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+test-slow: $(SETUP)
+	$(PY) -m pytest -m "slow and not gpu"
 
-test-all: $(STAMP)
+# The CUDA paths; each test says why it is skipped on a machine without (enough) GPUs.
+test-gpu: $(SETUP)
+	$(PY) -m pytest -m gpu
+
+test-all: $(SETUP)
 	$(PY) -m pytest
 
 clean:

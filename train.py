@@ -26,6 +26,7 @@ from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.checkpoint import CheckpointError
 from trainer.config import register_configs, to_dataclass, validate
+from trainer.device import check_local_gpus, local_world_size
 from trainer.launch import end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.mesh import adopt_slurm_env, check_mesh_shape, destroy_mesh, world_size_from_env
@@ -42,11 +43,18 @@ def one_line(err: Exception) -> str:
     return f"{full_key}: {first}" if full_key and full_key not in first else first
 
 
+def print_error(message: str) -> None:
+    """Every rank of a launch reads the same config and data, so they all fail alike: the
+    line from rank 0 (or a SLURM task's 0) is the message; the same line from every rank is noise."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"error: {message}", file=sys.stderr)
+
+
 def exit_bad_input(err: Exception) -> None:
     """Bad input is the user's to fix: one line naming the key or file, not a traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
-    print(f"error: {one_line(err)}", file=sys.stderr)
+    print_error(one_line(err))
     sys.exit(2)
 
 
@@ -58,6 +66,7 @@ def main(cfg: DictConfig) -> float:
         typed = to_dataclass(cfg)
         validate(typed)
         check_mesh_shape(world_size_from_env(), typed.parallel.tp)
+        check_local_gpus(typed.trainer.device, local_world_size(), torch.cuda.device_count())
         check_moe_config(typed.model)
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)
@@ -79,7 +88,7 @@ def main(cfg: DictConfig) -> float:
         exit_bad_input(err)
     except NonFiniteLoss as err:
         if not multirun:
-            print(f"error: {err}", file=sys.stderr)
+            print_error(str(err))
             sys.exit(3)
         # One diverging lr must not cost the rest of the sweep: this job scores NaN.
         log.error("job %s (%s) diverged; the sweep continues: %s",
@@ -101,7 +110,7 @@ if __name__ == "__main__":
     try:
         extra_args, extra_env = launch_overrides(sys.argv[1:], os.environ)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(str(err))
         sys.exit(2)
     os.environ.update(extra_env)
     sys.argv += extra_args

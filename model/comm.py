@@ -89,6 +89,12 @@ class CommCounter:
 COUNTER = CommCounter()
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and made the
+# old names warn; older releases (2.11 is common on GPU images) only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -109,7 +115,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> torch.T
     start = time.perf_counter()
     # Flat views: gloo wants the output as one buffer of group-size x input elements.
     with _comm_region(group, "all_gather"):
-        dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
+        _all_gather_single(out.view(-1), x.contiguous().view(-1), group=group)
     COUNTER.record(group, "all_gather", _nbytes(out), time.perf_counter() - start)
     return out
 
@@ -139,7 +145,7 @@ def all_gather_async(out: torch.Tensor, x: torch.Tensor, group: Group) -> Pendin
         return Pending(None, group, "all_gather", 0, 0.0)
     start = time.perf_counter()
     with _comm_region(group, "all_gather"):
-        work = dist.all_gather_single(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
+        work = _all_gather_single(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
     return Pending(work, group, "all_gather", _nbytes(out), time.perf_counter() - start)
 
 
@@ -149,6 +155,6 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> tor
         return out.copy_(x.reshape(out.shape))
     start = time.perf_counter()
     with _comm_region(group, "reduce_scatter"):
-        dist.reduce_scatter_single(out.view(-1), x.contiguous().view(-1), group=group)
+        _reduce_scatter_single(out.view(-1), x.contiguous().view(-1), group=group)
     COUNTER.record(group, "reduce_scatter", _nbytes(x), time.perf_counter() - start)
     return out

@@ -17,8 +17,9 @@ class MuonConfig:
     # "classic": the quintic (3.4445, -4.7750, 2.0315) every step;
     # "polar_express": per-step coefficients (Amsel et al., 2025).
     coefficients: str = "classic"
-    # Newton-Schulz compute dtype: "bf16" (default, as in practice) or "fp32".
-    ns_dtype: str = "bf16"
+    # Newton-Schulz compute dtype: "bf16" (as in practice on GPUs), "fp32", or "auto": bf16 where
+    # the device's bf16 matmul is really faster than fp32 (CUDA; CPUs with bf16 units), else fp32.
+    ns_dtype: str = "auto"
     # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), so Muon shares AdamW's lr and wd;
     # "spectral": lr * sqrt(max(1, A / B)); "none": lr as is.
     adjust_lr: str = "match_rms_adamw"

@@ -37,6 +37,7 @@ from optim.newton_schulz import (
     reusable_buffer,
 )
 from optim.newton_schulz_tp import newton_schulz_sharded
+from trainer.precision import resolve_precision
 
 NS_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -88,7 +89,13 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"optim.muon.coefficients: unknown coefficient set {group['coefficients']!r} "
             f"(expected classic or polar_express)"
         )
-    group["ns_dtype"] = parse_ns_dtype(group["ns_dtype"])
+    if group["ns_dtype"] == "auto":
+        # The device's fast dtype (trainer/device.py). The defaults have no parameters yet:
+        # they keep "auto", and each group resolves it on its own parameters' device.
+        if group["params"]:
+            group["ns_dtype"] = resolve_precision("auto", group["params"][0].device).precision
+    if group["ns_dtype"] != "auto":
+        group["ns_dtype"] = parse_ns_dtype(group["ns_dtype"])
     if group["adjust_lr"] not in ADJUST_LR_MODES:
         raise ValueError(
             f"optim.muon.adjust_lr: unknown mode {group['adjust_lr']!r} "
@@ -172,7 +179,8 @@ class Muon(torch.optim.Optimizer):
         momentum, nesterov: M = momentum * M + G; NS input G + momentum * M if nesterov else M.
         ns_steps: Newton-Schulz iterations.
         coefficients: "classic" or "polar_express".
-        ns_dtype: Newton-Schulz compute dtype: torch.bfloat16 / torch.float32 or "bf16" / "fp32".
+        ns_dtype: Newton-Schulz compute dtype: torch.bfloat16 / torch.float32, "bf16" / "fp32",
+            or "auto" (bf16 where the parameters' device runs it really faster than fp32).
         adjust_lr: "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral" (sqrt(max(1, A/B)))
             or "none", for the A x B matrix actually orthogonalised.
         eps: added to the Frobenius norm before normalising.

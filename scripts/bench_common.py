@@ -129,21 +129,43 @@ def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
 # ----------------------------------------------------------------------------- peaks
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device, n: int, warmup: int, repeats: int) -> float:
-    """GFLOP/s of `a @ b` on n x n operands (median of interleaved, load-filtered calls)."""
+def peak_size(device: torch.device, on_cpu: int = 1024) -> int:
+    """Side of a square matmul that reaches the device's peak. A GPU needs a big one: on an
+    H100 a 1024^2 F.linear reads 38 TFLOP/s (launch- and sync-bound), 8192^2 its real peak."""
+    return 8192 if device.type == "cuda" else on_cpu
+
+
+def _square_peak(op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, n: int, warmup: int, repeats: int) -> float:
+    """GFLOP/s of op on n x n operands (median of interleaved, load-filtered samples). On CUDA
+    a sample makes 10 calls, so the host's sync after each sample does not count against them."""
+    calls = 10 if device.type == "cuda" else 1
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    t = interleaved_medians({"mm": lambda: a @ b}, warmup, repeats, device)["mm"]
+
+    def sample() -> None:
+        for _ in range(calls):
+            op(a, b)
+
+    t = interleaved_medians({"op": sample}, warmup, repeats, device)["op"] / calls
     return 2 * n**3 / t / 1e9
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, n: int, warmup: int, repeats: int) -> float:
+    """GFLOP/s of `a @ b` on n x n operands."""
+    return _square_peak(torch.matmul, dtype, device, n, warmup, repeats)
 
 
 def linear_peak(dtype: torch.dtype, device: torch.device, n: int, warmup: int, repeats: int) -> float:
     """GFLOP/s of F.linear on n x n operands, the op every model projection runs: on CPU
     its bf16 kernel can be several times faster or slower than that of `a @ b`."""
-    x = torch.randn(n, n, device=device).to(dtype)
-    w = torch.randn(n, n, device=device).to(dtype)
-    t = interleaved_medians({"linear": lambda: F.linear(x, w)}, warmup, repeats, device)["linear"]
-    return 2 * n**3 / t / 1e9
+    return _square_peak(F.linear, dtype, device, n, warmup, repeats)
+
+
+def percent_of_peak(achieved: float, peak: float) -> str:
+    """achieved / peak as a table cell (MFU, % of peak). Above 100% the peak was mis-measured,
+    so no figure is printed."""
+    return f"{100 * achieved / peak:.1f}%" if achieved <= peak else "n/a (>100%)"
 
 
 def cpu_snapshot() -> tuple[int, int] | None:

@@ -36,7 +36,8 @@ import torch.optim._muon as torch_muon_module  # noqa: E402
 from optim.muon import Muon  # noqa: E402
 from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
-    FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio,
+    FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio, peak_size,
+    percent_of_peak,
 )
 
 ns_module = importlib.import_module("optim.newton_schulz")
@@ -159,13 +160,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--peak-size", type=int, default=2048, help="side of the peak matmul")
+    ap.add_argument("--peak-size", type=int, default=None,
+                    help="side of the peak matmul (default: 8192 on CUDA, 2048 on CPU)")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                     help="Newton-Schulz dtypes to time (bf16 is very slow on CPUs without bf16 matmul units)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    args.peak_size = args.peak_size or peak_size(device, on_cpu=2048)
     shapes = gpt_small_shapes()
     steps = 5
 
@@ -258,7 +261,7 @@ def main() -> None:
             secs = tn[f"{impl} {label}"]
             gf = flops / secs / 1e9
             pr = f"{paired_ratio(ns_times, f'ours {label}', f'torch {label}'):.3f}" if impl == "ours" else ""
-            print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {100 * gf / peak[label]:.0f}% | {pr} |")
+            print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {percent_of_peak(gf, peak[label])} | {pr} |")
     print(f"\nTiming rounds kept: {ROUND_STATS['kept']}; thrown away and redone because other "
           f"processes used > {FOREIGN_LIMIT:.0%} of a core meanwhile: {ROUND_STATS['redone']}.")
     with contextlib.suppress(OSError):

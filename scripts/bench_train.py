@@ -38,7 +38,9 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from eval.flops import train_flops_per_token  # noqa: E402
-from scripts.bench_common import cpu_snapshot, foreign_cores, linear_peak, machine_info  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    cpu_snapshot, foreign_cores, linear_peak, machine_info, peak_size, percent_of_peak,
+)
 from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer  # noqa: E402
 from trainer.config import register_configs, to_dataclass, validate  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
@@ -131,10 +133,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per configuration per round")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--peak-size", type=int, default=1024, help="side of the square peak matmul")
+    ap.add_argument("--peak-size", type=int, default=None,
+                    help="side of the square peak matmul (default: 8192 on CUDA, 1024 on CPU)")
     ap.add_argument("--peak-repeats", type=int, default=5)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for our trainer")
     args = ap.parse_args()
+    args.peak_size = args.peak_size or peak_size(torch.device(args.device))
     register_configs()
     started = time.perf_counter()
 
@@ -226,6 +230,7 @@ def main() -> None:
           "| ours / reference | notes |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     rate: dict[tuple[str, str, str, str], float] = {}
+    refused = False
     for c in contenders:
         if c.times:
             rate[c.key] = c.tokens_per_step / statistics.median(c.times)
@@ -240,7 +245,11 @@ def main() -> None:
         ref = rate.get((c.model, "reference", c.mode, c.precision))
         ratio = f"{tps / ref:.2f}" if c.impl == "ours" and ref else ""
         print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | {statistics.median(c.times):.3f} "
-              f"| {tps:,.0f} | {gflops:.1f} | {100 * gflops / peaks[c.precision]:.1f}% | {ratio} | {c.notes} |")
+              f"| {tps:,.0f} | {gflops:.1f} | {percent_of_peak(gflops, peaks[c.precision])} | {ratio} | {c.notes} |")
+        refused |= gflops > peaks[c.precision]
+    if refused:
+        print(f"\nMFU above 100% is not printed: training outran the measured peak, so the peak is "
+              f"wrong (too small a matmul for this device?); re-run with a larger --peak-size than {args.peak_size}.")
     per_model = {c.model: c.flops_per_token for c in contenders if c.impl == "ours" and c.flops_per_token}
     if per_model:
         print("\nModel FLOPs per trained token (eval/flops.py: 6 x active matmul weights + causal "

@@ -14,7 +14,7 @@ from trainer.config import to_dataclass
 
 COMMON = [
     "model=gpt_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.precision=fp32",
-    "trainer.max_steps=8", "trainer.seq_len=64", "logger.interval=1", "eval.interval=0",
+    "trainer.device=cpu", "trainer.max_steps=8", "trainer.seq_len=64", "logger.interval=1", "eval.interval=0",
     "eval.batches=2", "logger.wandb.mode=disabled", "logger.tensorboard=false",
     "logger.progress=none", "optim.warmup_steps=2", "checkpoint.interval=4",
 ]

@@ -1,14 +1,16 @@
 """Config contract: presets compose, bad keys and types fail naming the key, bad values too."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, compose, requires
 from trainer.config import ConfigError, TrainConfig, to_dataclass, validate
 
 
@@ -78,6 +80,7 @@ def test_unknown_preset_is_reported():
         (["trainer.batch_size=0"], "trainer.batch_size"),
         (["trainer.grad_accum=0"], "trainer.grad_accum"),
         (["trainer.precision=fp16"], "trainer.precision"),
+        (["optim.muon.ns_dtype=fp16"], "optim.muon.ns_dtype"),
         (["optim.schedule=linear"], "optim.schedule"),
         (["optim.min_lr=1.0"], "optim.min_lr"),
         (["model.n_kv_heads=3"], "model.n_kv_heads"),
@@ -126,6 +129,7 @@ def test_cli_unknown_preset_fails_before_training():
     assert "Traceback" not in proc.stderr
 
 
+@requires("datasets", "data=hf")
 def test_cli_data_errors_found_while_loading_are_one_line_too(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("one line of text\n" * 50)
@@ -136,3 +140,27 @@ def test_cli_data_errors_found_while_loading_are_one_line_too(tmp_path):
     assert "Traceback" not in proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and "data.text_field" in error_lines[0], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["trainer.batch_size=0", "trainer.device=cuda"])
+def test_torchrun_config_errors_are_one_line_from_rank_0(tmp_path, bad):
+    """Every rank reads the same config: rank 0 says what is wrong, the others exit quietly.
+    trainer.device=cuda with more ranks than GPUs stops before any rank touches CUDA."""
+    gpus = torch.cuda.device_count()
+    nproc = max(2, gpus + 1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "train.py", f"hydra.run.dir={tmp_path}", bad, "logger.wandb.mode=disabled"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    if bad == "trainer.batch_size=0":
+        assert "trainer.batch_size" in errors[0]
+    elif gpus == 0:
+        assert "no CUDA device is visible" in errors[0] and "trainer.device=cpu" in errors[0]
+    else:
+        assert f"{nproc} processes on this node" in errors[0] and f"{gpus} visible GPU" in errors[0]
+    assert 'train.py", line' not in proc.stderr  # no traceback from our code (torchrun prints its own)

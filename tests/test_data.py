@@ -330,8 +330,10 @@ def test_a_different_tokenizer_gets_a_different_cache(tmp_path, small_tokenizer)
 
 @pytest.fixture
 def hf_cache(tmp_path, monkeypatch):
-    """Keep `datasets`' own arrow cache inside the test's directory."""
-    import datasets
+    """Keep `datasets`' own arrow cache inside the test's directory (and skip, saying so,
+    where `datasets` is not installed)."""
+    datasets = pytest.importorskip("datasets", reason="data=hf loads files with datasets; not installed here "
+                                                      "(requirements.txt has it)")
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
 

@@ -167,7 +167,7 @@ def test_missing_checkpoint_is_one_line_naming_the_path(tmp_path, capsys):
 
 TRAIN = [
     "model=gpt_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.precision=fp32",
-    "trainer.max_steps=2", "trainer.seq_len=32", "trainer.batch_size=2", "eval.interval=0",
+    "trainer.device=cpu", "trainer.max_steps=2", "trainer.seq_len=32", "trainer.batch_size=2", "eval.interval=0",
     "eval.batches=1", "logger.interval=1", "logger.wandb.mode=disabled", "logger.tensorboard=false",
     "logger.progress=none", "checkpoint.interval=0",
 ]

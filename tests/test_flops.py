@@ -85,3 +85,14 @@ def test_peak_tflops_must_not_be_negative():
     with pytest.raises(ConfigError, match="trainer.peak_tflops"):
         validate(cfg)
     validate(to_dataclass(compose(["trainer.peak_tflops=312"])))
+
+
+def test_benchmarks_refuse_an_mfu_above_100_percent_and_size_the_gpu_peak_matmul():
+    from scripts.bench_common import peak_size, percent_of_peak
+
+    assert percent_of_peak(37.8, 100.0) == "37.8%"
+    assert percent_of_peak(100.0, 100.0) == "100.0%"
+    # An H100 read 3.46x a peak measured on a 1024^2 matmul: a wrong peak, not a figure.
+    assert percent_of_peak(346.0, 100.0) == "n/a (>100%)"
+    assert peak_size(torch.device("cuda")) == 8192
+    assert peak_size(torch.device("cpu")) == 1024 and peak_size(torch.device("cpu"), on_cpu=2048) == 2048

@@ -92,3 +92,19 @@ def test_checkpoints_without_the_counts_still_load(tmp_path):
     trainer.tokens, trainer.skipped_steps = -1, -1
     checkpoint.restore(trainer, state)
     assert trainer.tokens == trainer.tokens_per_step and trainer.skipped_steps == 0
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
+def test_deterministic_kernels_train_every_model(tmp_path, model):
+    """trainer.deterministic raises on any op without a deterministic kernel: none may be in
+    the models' training step (the CUDA kernels are checked by tests/test_gpu.py)."""
+    try:
+        trainer = make_trainer(tmp_path, SMALL + [f"model={model}", "trainer.batch_size=2", "trainer.deterministic=true"])
+        assert torch.are_deterministic_algorithms_enabled()
+        losses = [float(trainer.train_step(measure=True)["train/loss"]) for _ in range(2)]
+        assert all(torch.isfinite(torch.tensor(losses)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # The next trainer (the next job of a sweep) does not inherit it.
+    make_trainer(tmp_path / "next", SMALL + [f"model={model}", "trainer.batch_size=2"])
+    assert not torch.are_deterministic_algorithms_enabled()

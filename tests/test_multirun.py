@@ -15,12 +15,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import launch
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, compose, requires
 from trainer.config import to_dataclass, validate
 
 TINY = [
     "model=gpt_tiny", "trainer.max_steps=3", "trainer.batch_size=2", "trainer.seq_len=32",
-    "trainer.precision=fp32", "eval.interval=0", "eval.batches=1", "logger.interval=1",
+    "trainer.precision=fp32", "trainer.device=cpu", "eval.interval=0", "eval.batches=1", "logger.interval=1",
     "logger.wandb.mode=disabled", "logger.tensorboard=false", "logger.progress=none",
     "optim.schedule=constant", "optim.warmup_steps=0", "optim.min_lr=0", "optim.muon.ns_dtype=fp32",
     # Every job shares the repository's token cache, whatever the working directory.
@@ -68,6 +68,7 @@ def test_two_job_multirun_gives_two_separate_complete_run_dirs(tmp_path):
 
 
 @pytest.mark.slow
+@requires("hydra_plugins.hydra_joblib_launcher", "hydra/launcher=local")
 def test_the_local_parallel_launcher_runs_jobs_side_by_side_on_a_share_of_the_cores(tmp_path):
     proc = run_train(["-m", "hydra/launcher=local", "optim=muon,adamw", f"hydra.sweep.dir={tmp_path}", *TINY],
                      threads=None)
@@ -289,6 +290,8 @@ def test_only_swept_overrides_name_the_job_dirs():
     assert launch.launch_overrides(["-m", "optim=muon,adamw"], env()) == ([], {})
 
 
+@requires("hydra_plugins.hydra_joblib_launcher", "hydra/launcher=local")
+@requires("hydra_plugins.hydra_submitit_launcher", "hydra/launcher=slurm")
 def test_launcher_configs_compose():
     local = compose_with_hydra(["hydra/launcher=local"]).hydra.launcher
     assert local._target_.endswith("JoblibLauncher") and local.n_jobs == 2

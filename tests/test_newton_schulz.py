@@ -63,14 +63,29 @@ def _composed(s, name, steps=5):
     return x
 
 
+@pytest.fixture
+def full_fp32_matmuls():
+    """fp32 means fp32, also after a CUDA trainer in this process turned TF32 on."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+# The same bounds hold on CUDA: bf16 tensor cores accumulate in fp32, like the CPU kernels.
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["classic", "polar_express"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_singular_values_in_band_and_vectors_match_svd(shape, name, dtype):
+def test_singular_values_in_band_and_vectors_match_svd(shape, name, dtype, device, full_fp32_matmuls):
     G = _matrices(shape)
-    O = newton_schulz(G.float(), steps=5, coefficients=name, dtype=dtype)
-    assert O.shape == G.shape and O.dtype == torch.float32
-    O = O.double()
+    O = newton_schulz(G.float().to(device), steps=5, coefficients=name, dtype=dtype)
+    assert O.shape == G.shape and O.dtype == torch.float32 and O.device.type == device
+    O = O.double().cpu()
 
     lo, hi = BANDS[name]
     sv = torch.linalg.svdvals(O)

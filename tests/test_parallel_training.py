@@ -14,7 +14,7 @@ from tests.distributed import run_distributed
 from trainer.config import to_dataclass
 
 COMMON = [
-    "model=gpt_tiny", "optim=adamw", "trainer.precision=fp32", "trainer.max_steps=10",
+    "model=gpt_tiny", "optim=adamw", "trainer.precision=fp32", "trainer.device=cpu", "trainer.max_steps=10",
     "trainer.seq_len=64", "logger.interval=1", "eval.interval=0", "eval.batches=4",
     "logger.wandb.mode=disabled", "logger.tensorboard=false", "logger.progress=none",
     "optim.warmup_steps=3",

@@ -15,7 +15,7 @@ from trainer.config import ConfigError, to_dataclass, validate
 
 FAST = [
     "model=gpt_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.precision=fp32",
-    "trainer.seq_len=32", "trainer.batch_size=1", "trainer.max_steps=3", "logger.interval=1",
+    "trainer.device=cpu", "trainer.seq_len=32", "trainer.batch_size=1", "trainer.max_steps=3", "logger.interval=1",
     "eval.interval=0", "eval.batches=1", "eval.batch_size=2", "logger.wandb.mode=disabled",
     "logger.tensorboard=false", "logger.progress=none", "optim.warmup_steps=1",
     "profile.enabled=true", "profile.steps=[2,3]",

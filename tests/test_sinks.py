@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+from tests.conftest import requires
 from trainer.config import LoggerConfig, WandbConfig
 from trainer.sinks import MetricSinks
 
 
+@requires("wandb", "the wandb sink")
 def test_all_three_sinks_receive_the_metrics(tmp_path):
     cfg = LoggerConfig(tensorboard=True, wandb=WandbConfig(mode="offline", project="test"))
     sinks = MetricSinks(tmp_path, cfg, "unit", {"optim": {"lr": 0.01}})

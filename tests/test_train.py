@@ -13,7 +13,8 @@ from tests.conftest import REPO
 
 def train(run_dir: Path, *overrides: str) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "logger.wandb.mode=disabled", *overrides],
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "logger.wandb.mode=disabled", "trainer.device=cpu",
+         *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -57,19 +57,24 @@ def to_local(full: torch.Tensor, like: torch.Tensor, split_dim: Optional[int], t
     return full.chunk(tp, dim=split_dim)[group_rank(tp_group)].to(like.dtype).contiguous()
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device) -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    # Only the GPU this rank trains on: touching every visible GPU would start a CUDA context
+    # on each of them from every rank, even for a run on the CPU.
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, list):  # older checkpoints hold every visible GPU's state
+        cuda = cuda[device.index or 0] if device.type == "cuda" and len(cuda) > (device.index or 0) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def logical_state(trainer) -> dict[str, Any]:
@@ -87,9 +92,9 @@ def logical_state(trainer) -> dict[str, Any]:
     }
     rng = [None] * mesh.world_size
     if mesh.world_size > 1:
-        dist.all_gather_object(rng, _rng_state())
+        dist.all_gather_object(rng, _rng_state(trainer.device))
     else:
-        rng = [_rng_state()]
+        rng = [_rng_state(trainer.device)]
     return {"format": FORMAT_VERSION, "step": trainer.step, "tokens": trainer.tokens,
             "skipped_steps": trainer.skipped_steps, "params": params, "buffers": buffers,
             "optim": optim, "rng": rng, "mesh": {"dp": mesh.dp, "tp": mesh.tp}}
@@ -191,7 +196,7 @@ def restore(trainer, state: dict[str, Any]) -> None:
     trainer.tokens = state.get("tokens", trainer.step * trainer.tokens_per_step)
     trainer.skipped_steps = state.get("skipped_steps", 0)
     same_world = len(state["rng"]) == mesh.world_size
-    _set_rng_state(state["rng"][mesh.rank if same_world else 0])
+    _set_rng_state(state["rng"][mesh.rank if same_world else 0], trainer.device)
 
 
 def _full_tail(param: torch.Tensor, mesh) -> list[int]:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.config import DataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
+from optim.muon import NS_DTYPES
 from optim.routing import ALL_KINDS
 
 
@@ -30,11 +31,19 @@ class TrainerConfig:
     batch_size: int = 16
     seq_len: int = 256
     grad_accum: int = 1
-    # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast.
-    precision: str = "bf16"
+    # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast; "auto": bf16
+    # on CUDA (Ampere and newer) and on CPUs whose bf16 matmul is really faster than fp32
+    # (measured at start-up), fp32 elsewhere. The start-up log says which, and why.
+    precision: str = "auto"
     compile: bool = False
     # "auto" picks CUDA when available, else CPU.
     device: str = "auto"
+    # Deterministic kernels (torch.use_deterministic_algorithms, with the cuBLAS workspace
+    # setting it needs): on CUDA, reruns and kill-and-resume give bit-identical losses, at some
+    # speed cost; without it, atomics in attention backward make each run differ in the last
+    # bits. CPU kernels are deterministic either way. An op with no deterministic kernel then
+    # fails with torch's error naming it.
+    deterministic: bool = False
     # A NaN/inf loss or gradient: "skip" drops that step's update and counts it
     # (train/skipped_steps); "stop" exits with an error, keeping the last good checkpoint.
     nonfinite: str = "skip"
@@ -154,7 +163,7 @@ def validate(cfg: TrainConfig) -> None:
             f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} "
             f"of model={m.name}"
         )
-    _choice("trainer.precision", t.precision, ("bf16", "fp32"))
+    _choice("trainer.precision", t.precision, ("auto", "bf16", "fp32"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
     if not t.peak_tflops >= 0:  # also rejects NaN
@@ -173,6 +182,7 @@ def validate(cfg: TrainConfig) -> None:
         )
 
     _choice("optim.name", o.name, ("muon", "adamw"))
+    _choice("optim.muon.ns_dtype", o.muon.ns_dtype, ("auto", *NS_DTYPES))
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")

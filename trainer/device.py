@@ -10,13 +10,32 @@ import numpy as np
 import torch
 
 
+def check_local_gpus(device: str, local_ranks: int, gpus: int) -> None:
+    """Raise ValueError, naming both counts, when this node's ranks cannot each get a GPU.
+
+    Called before any work, so `torchrun --nproc_per_node=4` on a one-GPU machine stops with
+    this line instead of a CUDA error from set_device on ranks 1 to 3.
+    """
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return
+    if gpus == 0:
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; "
+                         "run on the CPU with trainer.device=cpu")
+    if local_ranks > gpus:
+        raise ValueError(
+            f"trainer.device={device}: {local_ranks} processes on this node (torchrun "
+            f"--nproc_per_node={local_ranks}) but {gpus} visible GPU{'s' if gpus > 1 else ''}; "
+            f"start at most {gpus} per node, or run on the CPU with trainer.device=cpu"
+        )
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """"auto" picks this rank's GPU when CUDA is available, else the CPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("trainer.device=cuda but no CUDA device is available")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        check_local_gpus("cuda", max(local_world_size(), local_rank + 1), gpus)
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -27,6 +46,17 @@ def autocast(device: torch.device, precision: str) -> ContextManager:
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def use_deterministic_kernels(enabled: bool) -> None:
+    """trainer.deterministic, set (or unset) for every job, so a sweep's jobs do not inherit it.
+
+    cuBLAS reads its workspace setting when it first starts, hence before any CUDA matmul.
+    warn_only stays off: with it, flash attention's backward keeps its non-deterministic kernel.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
 
 
 def synchronize(device: torch.device) -> None:
@@ -54,6 +84,11 @@ def maybe_compile(module: torch.nn.Module, enabled: bool) -> torch.nn.Module:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, 1 without torchrun."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:

@@ -11,7 +11,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
+from data.atomic import atomic_output
 from data.loader import TrainBatches, eval_batches
 from data.pipeline import PreparedData, prepare_data
 from eval.evaluate import attention_max_logits, eval_losses
@@ -28,6 +30,7 @@ from trainer import checkpoint
 from trainer import device as dev
 from trainer.config import TrainConfig
 from trainer.mesh import Mesh, init_mesh
+from trainer.precision import resolve_run_precisions
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks
@@ -97,14 +100,19 @@ class PreemptionFlag:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, mesh: Optional[Mesh] = None) -> None:
-        self.cfg = cfg
         self.run_dir = run_dir
-        t = cfg.trainer
-        self.device = dev.resolve_device(t.device, dev.local_rank())
+        dev.use_deterministic_kernels(cfg.trainer.deterministic)
+        self.device = dev.resolve_device(cfg.trainer.device, dev.local_rank())
         dev.enable_fast_math(self.device)
         self.mesh = mesh if mesh is not None else init_mesh(
             cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
+        # "auto" precisions become what runs, before anything reads them.
+        cfg, precision_line = resolve_run_precisions(cfg, self.device, self.mesh)
+        self.cfg = cfg
+        t = cfg.trainer
+        if self.mesh.is_main:
+            log.info(precision_line)
         dev.seed_everything(cfg.seed)
 
         self.data = prepare_data_once(cfg, self.mesh)
@@ -133,6 +141,7 @@ class Trainer:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
         if self.mesh.is_main:
+            self._write_resolved_config()
             log.info(
                 "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step",
                 self.model_cfg.name, sum(p.numel() for p in self.params) / 1e6,
@@ -143,6 +152,16 @@ class Trainer:
                 self.flops_per_token / 1e6, self.peak_flops / 1e12,
                 "trainer.peak_tflops" if t.peak_tflops else f"measured, {t.precision} matmul",
             )
+
+    def resolved_config(self) -> dict:
+        """The config as it runs: "auto" precisions resolved, the model's vocabulary set."""
+        return asdict(replace(self.cfg, model=self.model_cfg))
+
+    def _write_resolved_config(self) -> None:
+        """<run_dir>/resolved_config.yaml: .hydra/config.yaml holds what was asked ("auto"),
+        this file what ran (bf16 or fp32), for anyone reading the run dir later."""
+        with atomic_output(self.run_dir / "resolved_config.yaml") as f:
+            f.write(OmegaConf.to_yaml(OmegaConf.create(self.resolved_config())).encode())
 
     def _measure_peak(self) -> float:
         """This device's matmul FLOP/s in trainer.precision, measured once at start-up.
@@ -247,9 +266,8 @@ class Trainer:
         return {"train/loss": loss, "train/skipped_steps": float(self.skipped_steps)}
 
     def save_checkpoint(self) -> None:
-        resolved = asdict(replace(self.cfg, model=self.model_cfg))
         with region("checkpoint"):
-            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, resolved)
+            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config())
 
     def evaluate(self) -> dict[str, float]:
         metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
@@ -264,8 +282,7 @@ class Trainer:
         t = cfg.trainer
         sinks = None
         if mesh.is_main:
-            resolved = asdict(replace(cfg, model=self.model_cfg))
-            sinks = MetricSinks(self.run_dir, cfg.logger, cfg.name, resolved)
+            sinks = MetricSinks(self.run_dir, cfg.logger, cfg.name, self.resolved_config())
         progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none")
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0

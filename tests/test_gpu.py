@@ -1,0 +1,185 @@
+"""The CUDA paths: bf16 training eager and compiled, kill -9 and resume, torchrun on NCCL,
+and the HF export of a checkpoint trained on the GPU.
+
+`make test-gpu` runs these (and every other `gpu`-marked test, e.g. Newton-Schulz in bf16 on
+CUDA in tests/test_newton_schulz.py). Without CUDA each is skipped, with the reason in the
+summary; the two-process NCCL tests also need two GPUs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, compose
+from tests.test_faults import final_losses, launch, wait_for_step
+from tests.test_parallel_training import assert_tracks, read_metrics
+from trainer.config import to_dataclass
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS == 0, reason="needs CUDA: torch sees no GPU"),
+]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs for NCCL between processes, {GPUS} visible")
+
+QUIET = ["logger.wandb.mode=disabled", "logger.tensorboard=false", "logger.progress=none"]
+
+
+def train_in_process(run_dir: Path, overrides: list[str]):
+    from trainer.loop import Trainer
+
+    trainer = Trainer(to_dataclass(compose(QUIET + overrides)), run_dir)
+    try:
+        trainer.train()
+    finally:
+        torch._dynamo.reset()  # the next test compiles its own model
+    return trainer, [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def test_auto_precision_is_bf16_on_a_gpu_with_bf16_tensor_cores():
+    from trainer.precision import fast_precision
+
+    major, _ = torch.cuda.get_device_capability()
+    choice = fast_precision(torch.device("cuda", 0))
+    assert choice.precision == ("bf16" if major >= 8 else "fp32"), choice
+    assert "compute capability" in choice.reason
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
+def test_bf16_training_on_cuda_has_finite_falling_losses(tmp_path, model, compiled):
+    trainer, losses = train_in_process(tmp_path, [
+        f"model={model}", "optim=muon", "trainer.device=cuda", "trainer.precision=bf16",
+        "optim.muon.ns_dtype=bf16", f"trainer.compile={compiled}", "trainer.max_steps=30",
+        "trainer.batch_size=16", "trainer.seq_len=128", "logger.interval=1", "eval.interval=0",
+        "eval.batches=2", "checkpoint.interval=0", "optim.warmup_steps=5",
+    ])
+    assert trainer.device.type == "cuda"
+    # bf16 autocast over fp32 master weights: a projection's output is bf16, its weight fp32.
+    wq = trainer.model.blocks[0].attn.wq
+    with trainer.autocast():
+        out = wq(torch.randn(2, trainer.model_cfg.d_model, device="cuda"))
+    assert out.dtype == torch.bfloat16 and wq.weight.dtype == torch.float32
+    assert all(p.is_cuda for p in trainer.model.parameters())
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses), losses
+    # From ln(vocab) = 9.0: 30 steps of 2048 tokens take gpt_tiny below 7.5.
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+
+
+# Deterministic kernels: without them flash attention's backward (atomics) makes every run
+# differ in the last bits, and "bit-identical" would compare two different runs.
+ON_CUDA = ["trainer.device=cuda", "trainer.precision=bf16", "optim.muon.ns_dtype=bf16", "trainer.deterministic=true"]
+
+
+def test_kill_9_and_resume_on_cuda_gives_bit_identical_losses(tmp_path):
+    straight = launch(tmp_path / "straight", *ON_CUDA)
+    assert straight.wait(timeout=600) == 0, straight.stderr.read()[-3000:]
+    run_dir = tmp_path / "killed"
+    proc = launch(run_dir, *ON_CUDA)
+    wait_for_step(run_dir, proc, 8)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    resumed = launch(run_dir, *ON_CUDA)  # checkpoint.resume=auto
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    expected = final_losses(tmp_path / "straight")
+    assert len(expected) == 16
+    assert final_losses(run_dir) == expected
+
+
+# fp32 on the GPU without TF32 (the trainer enables it; this driver variable overrides it), so
+# a parallel run differs from the single-process one only by reduction order, as on CPU.
+TRACK = QUIET + [
+    "model=gpt_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.precision=fp32",
+    "trainer.device=cuda", "trainer.max_steps=10", "trainer.seq_len=64", "logger.interval=1",
+    "eval.interval=0", "eval.batches=2", "optim.warmup_steps=3", "checkpoint.interval=0",
+]
+# The CPU tests hold parallel runs to 1e-5; GPU reductions (atomics in some backward kernels,
+# other blockings per shape) add a little.
+GPU_TOL = 1e-4
+
+
+def run_train(run_dir: Path, args: list[str], nproc: int = 0) -> list[float]:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    proc = subprocess.run(
+        [sys.executable, *launcher, "train.py", f"hydra.run.dir={run_dir}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "NVIDIA_TF32_OVERRIDE": "0", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def test_torchrun_at_world_size_1_on_cuda_matches_the_python_launch(tmp_path):
+    """What a one-GPU user runs. At world size 1 no process group is created (nothing to
+    reduce), so this checks the torchrun launch on CUDA; NCCL itself is the 2-GPU tests'."""
+    single = run_train(tmp_path / "python", TRACK + ["trainer.batch_size=4"])
+    launched = run_train(tmp_path / "torchrun", TRACK + ["trainer.batch_size=4"], nproc=1)
+    assert_tracks(launched, single, 1e-6)
+
+
+@two_gpus
+@pytest.mark.parametrize("layout, overrides", [
+    ("dp2", ["parallel.tp=1", "trainer.batch_size=2"]),  # ZeRO-1: reduce-scatter + all-gather
+    ("tp2", ["parallel.tp=2", "trainer.batch_size=4"]),  # TP collectives in forward/backward
+], ids=["dp2", "tp2"])
+def test_two_ranks_on_nccl_track_the_single_process_run(tmp_path, layout, overrides):
+    single = run_train(tmp_path / "single", TRACK + ["trainer.batch_size=4"])
+    parallel = run_train(tmp_path / layout, TRACK + ["parallel.backend=nccl", *overrides], nproc=2)
+    assert_tracks(parallel, single, GPU_TOL)
+    last = read_metrics(tmp_path / layout)[-1]
+    group = "dp" if layout == "dp2" else "tp"
+    assert any(k.startswith(f"comm/{group}/") and k.endswith("_bytes") and v > 0 for k, v in last.items())
+
+
+def test_torchrun_asking_for_more_ranks_than_gpus_stops_with_one_line(tmp_path):
+    nproc = GPUS + 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "train.py", f"hydra.run.dir={tmp_path}", *QUIET],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"{nproc} processes on this node" in errors[0] and f"{GPUS} visible GPU" in errors[0]
+    assert "trainer.device=cpu" in errors[0]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_hf_export_of_a_checkpoint_trained_on_cuda_computes_our_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from model.gpt import GPT
+    from scripts import export_hf
+
+    run_dir = tmp_path / "run"
+    train_in_process(run_dir, [
+        "model=gpt_tiny", "optim=muon", "trainer.device=cuda", "trainer.precision=bf16",
+        "trainer.max_steps=4", "trainer.batch_size=4", "trainer.seq_len=64", "eval.interval=0",
+        "eval.batches=1", "logger.interval=1", "checkpoint.interval=0",
+    ])
+    cfg, tensors, config = export_hf.load_run(run_dir)
+    # Saved from the GPU, loaded on the CPU: full fp32 master weights.
+    assert all(t.device.type == "cpu" for t in tensors.values())
+    assert all(t.dtype == torch.float32 for t in tensors.values() if t.is_floating_point())
+    assert export_hf.main([str(run_dir), str(tmp_path / "hf")]) == 0
+
+    ours = GPT(cfg).eval()
+    ours.load_state_dict(tensors)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(idx) - hf(idx).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    # The trained weights, not the initial ones: the export differs from the seed's model.
+    torch.manual_seed(config["seed"])
+    fresh = GPT(cfg).eval()
+    with torch.no_grad():
+        assert (fresh(idx) - hf(idx).logits).abs().max().item() > 1e-2

@@ -1,0 +1,140 @@
+"""trainer.precision=auto and optim.muon.ns_dtype=auto, and the one-GPU-per-rank check.
+
+The CPU measurement is mocked here (its real value depends on the machine): "auto" must
+follow it, on every rank alike, and an explicit precision must win over it. On CUDA "auto"
+follows the compute capability, mocked here and checked for real by tests/test_gpu.py.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import yaml
+
+from optim.muon import Muon
+from tests.conftest import compose
+from tests.distributed import run_distributed
+from tests.test_checkpoint import make_trainer
+from trainer import precision
+from trainer.config import to_dataclass
+from trainer.device import check_local_gpus
+from trainer.mesh import Mesh, build_mesh
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def bf16_speedup(monkeypatch):
+    """Set what the start-up matmul measurement reports: bf16 throughput / fp32's."""
+    def set_speedup(value: float) -> None:
+        monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: value)
+        precision.fast_precision.cache_clear()
+
+    yield set_speedup
+    precision.fast_precision.cache_clear()  # later tests measure this machine again
+
+
+def test_auto_is_fp32_on_a_cpu_whose_bf16_matmul_is_slower(bf16_speedup):
+    bf16_speedup(0.05)  # an AVX2-only CPU: bf16 about 20x slower
+    choice = precision.resolve_precision("auto", CPU)
+    assert choice.precision == "fp32"
+    assert "0.05x" in choice.reason
+
+
+def test_auto_is_bf16_on_a_cpu_whose_bf16_matmul_is_really_faster(bf16_speedup):
+    bf16_speedup(2.0)  # a CPU with bf16 units (AMX, AVX512-BF16)
+    assert precision.resolve_precision("auto", CPU).precision == "bf16"
+    bf16_speedup(1.05)  # a tie is not worth bf16's precision loss
+    assert precision.resolve_precision("auto", CPU).precision == "fp32"
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 0), "fp32")])
+def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    precision.fast_precision.cache_clear()
+    try:
+        choice = precision.fast_precision(torch.device("cuda", 0))
+    finally:
+        precision.fast_precision.cache_clear()
+    assert choice.precision == expected
+    assert f"compute capability {capability[0]}.{capability[1]}" in choice.reason
+
+
+def test_an_explicit_precision_wins_over_the_measurement(bf16_speedup):
+    bf16_speedup(0.05)
+    assert precision.resolve_precision("bf16", CPU) == precision.PrecisionChoice("bf16", "set explicitly")
+    bf16_speedup(3.0)
+    assert precision.resolve_precision("fp32", CPU).precision == "fp32"
+
+
+def test_run_resolution_replaces_auto_and_says_why(bf16_speedup):
+    bf16_speedup(0.05)
+    cfg = to_dataclass(compose(["optim=muon"]))
+    assert (cfg.trainer.precision, cfg.optim.muon.ns_dtype) == ("auto", "auto")  # the defaults
+    resolved, line = precision.resolve_run_precisions(cfg, CPU, Mesh())
+    assert (resolved.trainer.precision, resolved.optim.muon.ns_dtype) == ("fp32", "fp32")
+    assert line.startswith("precision: fp32 training and Newton-Schulz (auto: bf16 matmul measured at 0.05x")
+    assert cfg.trainer.precision == "auto"  # the caller's config is left as it was
+
+    explicit = to_dataclass(compose(["optim=muon", "trainer.precision=bf16"]))
+    resolved, line = precision.resolve_run_precisions(explicit, CPU, Mesh())
+    assert (resolved.trainer.precision, resolved.optim.muon.ns_dtype) == ("bf16", "fp32")
+    assert line.startswith("precision: bf16 training (set explicitly); fp32 Newton-Schulz (auto: ")
+
+    adamw = to_dataclass(compose(["optim=adamw"]))
+    assert "Newton-Schulz" not in precision.resolve_run_precisions(adamw, CPU, Mesh())[1]
+
+
+def _resolve_with_a_disagreeing_measurement(rank: int, world: int) -> tuple[str, str]:
+    # Ranks sharing a CPU time their matmuls at different moments and may disagree.
+    precision.cpu_bf16_speedup = lambda: 0.05 if rank == 0 else 3.0
+    cfg = to_dataclass(compose(["optim=muon"]))
+    resolved, _ = precision.resolve_run_precisions(cfg, CPU, build_mesh(1))
+    return resolved.trainer.precision, resolved.optim.muon.ns_dtype
+
+
+def test_every_rank_takes_rank_0s_choice():
+    assert run_distributed(_resolve_with_a_disagreeing_measurement, 2) == [("fp32", "fp32")] * 2
+
+
+def test_trainer_logs_and_records_the_resolved_precision(tmp_path, bf16_speedup, caplog):
+    bf16_speedup(0.05)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        trainer = make_trainer(tmp_path, ["trainer.precision=auto", "optim.muon.ns_dtype=auto", "trainer.max_steps=1"])
+    assert (trainer.cfg.trainer.precision, trainer.cfg.optim.muon.ns_dtype) == ("fp32", "fp32")
+    assert trainer.optimizer.optimizers["muon"].param_groups[0]["ns_dtype"] == torch.float32
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision:")]
+    assert len(lines) == 1 and "auto: bf16 matmul measured at 0.05x" in lines[0]
+    saved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
+    assert (saved["trainer"]["precision"], saved["optim"]["muon"]["ns_dtype"]) == ("fp32", "fp32")
+    assert saved["model"]["vocab_size"] == trainer.model_cfg.vocab_size > 0
+    trainer.train()
+    from trainer import checkpoint
+
+    state = checkpoint.load(tmp_path / "checkpoints" / "step_00000001.pt")
+    assert state["config"]["trainer"]["precision"] == "fp32"
+
+
+@pytest.mark.parametrize("speedup, dtype", [(0.05, torch.float32), (2.0, torch.bfloat16)])
+def test_muon_ns_dtype_auto_resolves_on_the_parameters_device(bf16_speedup, speedup, dtype):
+    bf16_speedup(speedup)
+    opt = Muon([torch.nn.Parameter(torch.randn(8, 4))], ns_dtype="auto")
+    assert opt.param_groups[0]["ns_dtype"] == dtype
+
+
+def test_more_local_ranks_than_gpus_names_both_counts_and_the_cpu_way_out():
+    with pytest.raises(ValueError) as err:
+        check_local_gpus("auto", local_ranks=4, gpus=1)
+    message = str(err.value)
+    assert "4 processes on this node" in message and "1 visible GPU;" in message
+    assert "trainer.device=cpu" in message and "\n" not in message
+    with pytest.raises(ValueError, match="3 processes on this node .* 2 visible GPUs"):
+        check_local_gpus("cuda", local_ranks=3, gpus=2)
+    with pytest.raises(ValueError, match="no CUDA device is visible.*trainer.device=cpu"):
+        check_local_gpus("cuda", local_ranks=1, gpus=0)
+    # Nothing to check: the CPU asked for, auto with no GPU (it trains on the CPU), enough GPUs.
+    check_local_gpus("cpu", local_ranks=4, gpus=1)
+    check_local_gpus("auto", local_ranks=4, gpus=0)
+    check_local_gpus("auto", local_ranks=2, gpus=2)
