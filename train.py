@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -26,8 +28,8 @@ from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.checkpoint import CheckpointError
 from trainer.config import register_configs, to_dataclass, validate
-from trainer.device import check_local_gpus, local_world_size
-from trainer.launch import end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
+from trainer.device import DeviceError, check_local_gpus, local_world_size
+from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.mesh import adopt_slurm_env, check_mesh_shape, destroy_mesh, world_size_from_env
 
@@ -43,18 +45,39 @@ def one_line(err: Exception) -> str:
     return f"{full_key}: {first}" if full_key and full_key not in first else first
 
 
-def print_error(message: str) -> None:
-    """Every rank of a launch reads the same config and data, so they all fail alike: the
-    line from rank 0 (or a SLURM task's 0) is the message; the same line from every rank is noise."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"error: {message}", file=sys.stderr)
+# torchrun ends every rank as soon as one exits with an error: a rank that stays silent waits
+# this long before exiting, so that the rank saying what went wrong gets to say it.
+SILENT_RANK_EXIT_DELAY_S = 3.0
+
+
+def exit_silently(code: int) -> None:
+    time.sleep(SILENT_RANK_EXIT_DELAY_S)
+    sys.exit(code)
+
+
+def print_error(message: str, per_node: bool = False) -> bool:
+    """Every rank of a launch reads the same config and data, so they all fail alike: the line
+    from rank 0 is the message, the same line from every rank noise. A `per_node` error (this
+    node's GPUs) comes from each node's local rank 0, named by its host on a multi-node launch.
+    Returns whether this rank printed."""
+    env = os.environ
+    if per_node:
+        if env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) != "0":
+            return False
+        if int(env.get("WORLD_SIZE", "1")) > int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))):
+            message = f"{socket.gethostname()}: {message}"
+    elif env.get("RANK", env.get("SLURM_PROCID", "0")) != "0":
+        return False
+    print(f"error: {message}", file=sys.stderr)
+    return True
 
 
 def exit_bad_input(err: Exception) -> None:
     """Bad input is the user's to fix: one line naming the key or file, not a traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
-    print_error(one_line(err))
+    if not print_error(one_line(err), per_node=isinstance(err, DeviceError)):
+        exit_silently(2)
     sys.exit(2)
 
 
@@ -82,13 +105,15 @@ def main(cfg: DictConfig) -> float:
     try:
         trainer = Trainer(typed, run_dir)
         final = trainer.train()
-    except (DataConfigError, CheckpointError) as err:
+    except (DataConfigError, CheckpointError, DeviceError) as err:
         # Found only once the data or the checkpoint is opened (a text field the dataset
-        # lacks, a checkpoint of another model), but still the user's input.
+        # lacks, a checkpoint of another model), or the device taken (a SLURM task beyond this
+        # node's GPUs), but still the user's input.
         exit_bad_input(err)
     except NonFiniteLoss as err:
         if not multirun:
-            print_error(str(err))
+            if not print_error(str(err)):
+                exit_silently(3)
             sys.exit(3)
         # One diverging lr must not cost the rest of the sweep: this job scores NaN.
         log.error("job %s (%s) diverged; the sweep continues: %s",
@@ -110,8 +135,11 @@ if __name__ == "__main__":
     try:
         extra_args, extra_env = launch_overrides(sys.argv[1:], os.environ)
     except ValueError as err:
-        print_error(str(err))
+        if not print_error(str(err)):
+            exit_silently(2)
         sys.exit(2)
     os.environ.update(extra_env)
     sys.argv += extra_args
+    if os.environ.get("RANK", "0") != "0" and not composes(sys.argv[1:], str(Path(__file__).parent / "conf")):
+        exit_silently(2)  # rank 0 prints Hydra's message about the command line, once for all ranks
     main()

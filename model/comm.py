@@ -89,10 +89,14 @@ class CommCounter:
 COUNTER = CommCounter()
 
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and made the
-# old names warn; older releases (2.11 is common on GPU images) only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_single(*args, **kwargs):
+    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and made the
+    # old names warn; older releases (2.11 is common on GPU images) only have the old names.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -90,7 +90,7 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"(expected classic or polar_express)"
         )
     if group["ns_dtype"] == "auto":
-        # The device's fast dtype (trainer/device.py). The defaults have no parameters yet:
+        # The device's fast dtype (trainer/precision.py). The defaults have no parameters yet:
         # they keep "auto", and each group resolves it on its own parameters' device.
         if group["params"]:
             group["ns_dtype"] = resolve_precision("auto", group["params"][0].device).precision

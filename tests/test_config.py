@@ -164,3 +164,16 @@ def test_torchrun_config_errors_are_one_line_from_rank_0(tmp_path, bad):
     else:
         assert f"{nproc} processes on this node" in errors[0] and f"{gpus} visible GPU" in errors[0]
     assert 'train.py", line' not in proc.stderr  # no traceback from our code (torchrun prints its own)
+
+
+@pytest.mark.slow
+def test_torchrun_hydra_composition_errors_come_once(tmp_path):
+    """A misspelled key fails in Hydra, before train.py's own checks: rank 0 still says it
+    alone (the other ranks find the same failure first and exit quietly)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "train.py", f"hydra.run.dir={tmp_path}", "trainer.max_stepz=5"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("Could not override 'trainer.max_stepz'") == 1, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from trainer.mesh import adopt_slurm_env, first_host, torch_env_from_slurm, world_size_from_env
+from trainer.mesh import adopt_slurm_env, first_host, tasks_on_node, torch_env_from_slurm, world_size_from_env
 
 # Task 5 of an 8-task step over two nodes, as srun (and so the submitit launcher) sets it.
 SRUN_TASK = {
@@ -19,6 +19,15 @@ def test_an_srun_task_becomes_a_rank():
         "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
         "MASTER_ADDR": "gpu007", "MASTER_PORT": str(15000 + 123456 % 10000),
     }
+
+
+def test_tasks_on_this_node_become_the_local_world_size():
+    # 4 tasks on each of two nodes; task 5 runs on the second
+    task = {**SRUN_TASK, "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}
+    assert torch_env_from_slurm(task)["LOCAL_WORLD_SIZE"] == "4"
+    assert tasks_on_node("4(x2),3", 2) == 3 and tasks_on_node("2,6", 1) == 6
+    with pytest.raises(ValueError, match="not a list"):
+        tasks_on_node("4(y2)", 0)
 
 
 def test_every_task_of_a_job_agrees_on_the_rendezvous():

@@ -250,6 +250,7 @@ def test_experiment_configs_pin_the_comparison(experiment, model, experts, optim
     assert typed.optim.name == optim  # the sweep's optimizer choice keeps the pinned settings
     assert (typed.seed, typed.trainer.max_steps, typed.trainer.batch_size, typed.trainer.seq_len) == (0, 300, 16, 256)
     assert (typed.trainer.precision, typed.trainer.grad_accum, typed.trainer.compile) == ("bf16", 1, False)
+    assert typed.optim.muon.ns_dtype == "bf16"  # pinned, not the machine-dependent "auto"
     assert (typed.optim.schedule, typed.optim.warmup_steps, typed.optim.min_lr) == ("cosine", 30, 0.0)
     assert (typed.eval.interval, typed.eval.batches) == (50, 8)
     params = compose_with_hydra([f"+experiment={experiment}"]).hydra.sweeper.params

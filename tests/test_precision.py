@@ -87,6 +87,30 @@ def test_run_resolution_replaces_auto_and_says_why(bf16_speedup):
     assert "Newton-Schulz" not in precision.resolve_run_precisions(adamw, CPU, Mesh())[1]
 
 
+def test_adamw_with_an_explicit_precision_measures_nothing(monkeypatch):
+    def measure() -> float:
+        raise AssertionError("measured bf16 although nothing asked for auto")
+
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", measure)
+    precision.fast_precision.cache_clear()
+    cfg = to_dataclass(compose(["optim=adamw", "trainer.precision=fp32"]))  # ns_dtype stays "auto"
+    resolved, line = precision.resolve_run_precisions(cfg, CPU, Mesh())
+    assert resolved.trainer.precision == "fp32" and line == "precision: fp32 training (set explicitly)"
+
+
+def test_a_resumed_auto_run_keeps_the_precision_it_started_with(bf16_speedup):
+    bf16_speedup(0.05)  # this machine would choose fp32 ...
+    cfg = to_dataclass(compose(["optim=muon"]))
+    before = {"trainer": {"precision": "bf16"}, "optim": {"muon": {"ns_dtype": "bf16"}}}
+    resolved, line = precision.resolve_run_precisions(cfg, CPU, Mesh(), before)
+    # ... but the run it continues trained in bf16
+    assert (resolved.trainer.precision, resolved.optim.muon.ns_dtype) == ("bf16", "bf16")
+    assert "kept from the checkpoint this run resumes" in line
+    explicit = to_dataclass(compose(["optim=muon", "trainer.precision=fp32"]))
+    resolved, _ = precision.resolve_run_precisions(explicit, CPU, Mesh(), before)
+    assert (resolved.trainer.precision, resolved.optim.muon.ns_dtype) == ("fp32", "bf16")
+
+
 def _resolve_with_a_disagreeing_measurement(rank: int, world: int) -> tuple[str, str]:
     # Ranks sharing a CPU time their matmuls at different moments and may disagree.
     precision.cpu_bf16_speedup = lambda: 0.05 if rank == 0 else 3.0
@@ -115,6 +139,11 @@ def test_trainer_logs_and_records_the_resolved_precision(tmp_path, bf16_speedup,
 
     state = checkpoint.load(tmp_path / "checkpoints" / "step_00000001.pt")
     assert state["config"]["trainer"]["precision"] == "fp32"
+    # Resumed where bf16 measures faster: the run goes on in fp32, as it started.
+    bf16_speedup(3.0)
+    resumed = make_trainer(tmp_path, ["trainer.precision=auto", "optim.muon.ns_dtype=auto", "trainer.max_steps=2"])
+    assert resumed.step == 1
+    assert (resumed.cfg.trainer.precision, resumed.cfg.optim.muon.ns_dtype) == ("fp32", "fp32")
 
 
 @pytest.mark.parametrize("speedup, dtype", [(0.05, torch.float32), (2.0, torch.bfloat16)])

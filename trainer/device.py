@@ -10,8 +10,13 @@ import numpy as np
 import torch
 
 
+class DeviceError(ValueError):
+    """This node cannot give each of its ranks the device the config asks for. Unlike a config
+    error it may hold on one node only, so each node reports its own."""
+
+
 def check_local_gpus(device: str, local_ranks: int, gpus: int) -> None:
-    """Raise ValueError, naming both counts, when this node's ranks cannot each get a GPU.
+    """Raise DeviceError, naming both counts, when this node's ranks cannot each get a GPU.
 
     Called before any work, so `torchrun --nproc_per_node=4` on a one-GPU machine stops with
     this line instead of a CUDA error from set_device on ranks 1 to 3.
@@ -19,12 +24,12 @@ def check_local_gpus(device: str, local_ranks: int, gpus: int) -> None:
     if device == "cpu" or (device == "auto" and gpus == 0):
         return
     if gpus == 0:
-        raise ValueError("trainer.device=cuda but no CUDA device is visible; "
-                         "run on the CPU with trainer.device=cpu")
+        raise DeviceError("trainer.device=cuda but no CUDA device is visible; "
+                          "run on the CPU with trainer.device=cpu")
     if local_ranks > gpus:
-        raise ValueError(
+        raise DeviceError(
             f"trainer.device={device}: {local_ranks} processes on this node (torchrun "
-            f"--nproc_per_node={local_ranks}) but {gpus} visible GPU{'s' if gpus > 1 else ''}; "
+            f"--nproc_per_node, or SLURM tasks per node) but {gpus} visible GPU{'s' if gpus > 1 else ''}; "
             f"start at most {gpus} per node, or run on the CPU with trainer.device=cpu"
         )
 

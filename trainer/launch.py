@@ -117,6 +117,35 @@ def launch_overrides(argv: list[str], env: Mapping[str, str]) -> tuple[list[str]
     return extra, extra_env
 
 
+def composes(argv: list[str], config_dir: str) -> bool:
+    """False only when Hydra would refuse this command line's overrides (an unknown key or
+    preset, a value of the wrong type). Ranks other than 0 ask this first and, on False, exit
+    without a word: rank 0 prints Hydra's message once instead of every rank printing it.
+    Anything this check cannot judge (a multirun, another config dir or name, --help) is True,
+    so that no rank ever stops where rank 0 would go on."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = get_args_parser().parse_args(argv)
+    except (SystemExit, Exception):
+        return True
+    plain = not any((args.multirun, args.help, args.hydra_help, args.cfg, args.info, args.shell_completion,
+                     args.config_path, args.config_name, args.config_dir, args.experimental_rerun))
+    if not plain:
+        return True
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            compose(config_name="config", overrides=args.overrides)
+    except (HydraException, OmegaConfBaseException):
+        return False
+    except Exception:
+        return True
+    return True
+
+
 def quiet_nonzero_rank_logging() -> None:
     """Ranks != 0 keep no job log file and log only warnings.
 

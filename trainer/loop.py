@@ -107,8 +107,12 @@ class Trainer:
         self.mesh = mesh if mesh is not None else init_mesh(
             cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
-        # "auto" precisions become what runs, before anything reads them.
-        cfg, precision_line = resolve_run_precisions(cfg, self.device, self.mesh)
+        self.checkpoint_dir = run_dir / "checkpoints"
+        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
+        # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
+        cfg, precision_line = resolve_run_precisions(
+            cfg, self.device, self.mesh, resumed["config"] if resumed is not None else None
+        )
         self.cfg = cfg
         t = cfg.trainer
         if self.mesh.is_main:
@@ -135,8 +139,6 @@ class Trainer:
         # step, so the count stays right across a resume with a different global batch.
         self.tokens = 0
         self.skipped_steps = 0
-        self.checkpoint_dir = run_dir / "checkpoints"
-        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)

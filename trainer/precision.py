@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,24 +79,42 @@ def _agree(choices: list[PrecisionChoice], device: torch.device, mesh: Mesh) -> 
             for c, f in zip(choices, flags.tolist())]
 
 
-def resolve_run_precisions(cfg: TrainConfig, device: torch.device, mesh: Mesh) -> tuple[TrainConfig, str]:
+def resolve_run_precisions(
+    cfg: TrainConfig, device: torch.device, mesh: Mesh, resumed: Optional[dict[str, Any]] = None
+) -> tuple[TrainConfig, str]:
     """`cfg` with trainer.precision and optim.muon.ns_dtype resolved (so the checkpoint, the
     logged config and resolved_config.yaml record what ran), and the start-up line saying
-    what was chosen and why."""
-    requested = {"training": cfg.trainer.precision, "Newton-Schulz": cfg.optim.muon.ns_dtype}
-    chosen = {name: resolve_precision(value, device) for name, value in requested.items()}
+    what was chosen and why.
+
+    `resumed` is the config of the checkpoint this run continues: "auto" keeps what that run
+    chose, so a resume (on another machine, or after a measurement that came out the other
+    way) does not switch precision halfway through.
+    """
+    requested = {"training": cfg.trainer.precision}
+    before = {"training": (resumed or {}).get("trainer", {}).get("precision")}
+    if cfg.optim.name == "muon":  # AdamW runs no Newton-Schulz: nothing to choose or measure
+        requested["Newton-Schulz"] = cfg.optim.muon.ns_dtype
+        before["Newton-Schulz"] = (resumed or {}).get("optim", {}).get("muon", {}).get("ns_dtype")
+    chosen = {}
+    for name, value in requested.items():
+        if value == "auto" and before[name] in ("bf16", "fp32"):
+            chosen[name] = PrecisionChoice(before[name], "kept from the checkpoint this run resumes")
+        else:
+            chosen[name] = resolve_precision(value, device)
     if "auto" in requested.values():
         chosen = dict(zip(chosen, _agree(list(chosen.values()), device, mesh)))
-    shown = ["training"] if cfg.optim.name != "muon" else list(requested)
-    parts = [(chosen[n].precision, n, f"auto: {chosen[n].reason}" if requested[n] == "auto" else "set explicitly")
-             for n in shown]
+    parts = [(c.precision, n, f"auto: {c.reason}" if requested[n] == "auto" else "set explicitly")
+             for n, c in chosen.items()]
     if len(parts) == 2 and parts[0][0::2] == parts[1][0::2]:
         line = f"precision: {parts[0][0]} training and Newton-Schulz ({parts[0][2]})"
     else:
         line = "precision: " + "; ".join(f"{p} {n} ({why})" for p, n, why in parts)
+    muon = cfg.optim.muon
+    if "Newton-Schulz" in chosen:
+        muon = replace(muon, ns_dtype=chosen["Newton-Schulz"].precision)
     resolved = replace(
         cfg,
         trainer=replace(cfg.trainer, precision=chosen["training"].precision),
-        optim=replace(cfg.optim, muon=replace(cfg.optim.muon, ns_dtype=chosen["Newton-Schulz"].precision)),
+        optim=replace(cfg.optim, muon=muon),
     )
     return resolved, line
