@@ -102,7 +102,14 @@ def run_layout(run_dir: Path, dp: int, tp: int, mode: str, global_batch: int = 4
         run_distributed(_layout_worker, dp * tp, str(run_dir), overrides, mode)
 
 
-@pytest.mark.parametrize("saved, loaded", [((2, 2), (2, 2)), ((2, 2), (4, 1)), ((1, 1), (2, 2)), ((4, 1), (1, 1))])
+# Four processes on two cores take about a minute per case: the default suite keeps one
+# reshard (single process -> DP 2 x TP 2); the others run with the slow tests.
+@pytest.mark.parametrize("saved, loaded", [
+    pytest.param((2, 2), (2, 2), marks=pytest.mark.slow),
+    pytest.param((2, 2), (4, 1), marks=pytest.mark.slow),
+    ((1, 1), (2, 2)),
+    pytest.param((4, 1), (1, 1), marks=pytest.mark.slow),
+])
 def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded):
     straight = tmp_path / "straight"
     run_layout(straight, *saved, mode="train")
