@@ -28,7 +28,7 @@ from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.checkpoint import CheckpointError
 from trainer.config import register_configs, to_dataclass, validate
-from trainer.device import DeviceError, check_local_gpus, local_world_size
+from trainer.device import DeviceError
 from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.mesh import adopt_slurm_env, check_mesh_shape, destroy_mesh, world_size_from_env
@@ -89,7 +89,6 @@ def main(cfg: DictConfig) -> float:
         typed = to_dataclass(cfg)
         validate(typed)
         check_mesh_shape(world_size_from_env(), typed.parallel.tp)
-        check_local_gpus(typed.trainer.device, local_world_size(), torch.cuda.device_count())
         check_moe_config(typed.model)
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)
@@ -106,9 +105,10 @@ def main(cfg: DictConfig) -> float:
         trainer = Trainer(typed, run_dir)
         final = trainer.train()
     except (DataConfigError, CheckpointError, DeviceError) as err:
-        # Found only once the data or the checkpoint is opened (a text field the dataset
-        # lacks, a checkpoint of another model), or the device taken (a SLURM task beyond this
-        # node's GPUs), but still the user's input.
+        # Found only once the device is taken (more ranks on this node than GPUs: the
+        # Trainer's first step, before any collective or data work) or the data or the
+        # checkpoint opened (a text field the dataset lacks, a checkpoint of another model),
+        # but still the user's input.
         exit_bad_input(err)
     except NonFiniteLoss as err:
         if not multirun:

@@ -71,10 +71,14 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
+    if device.type != "cuda" or cuda is None:
+        return
     if isinstance(cuda, list):  # older checkpoints hold every visible GPU's state
-        cuda = cuda[device.index or 0] if device.type == "cuda" and len(cuda) > (device.index or 0) else None
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
+        index = device.index or 0
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def logical_state(trainer) -> dict[str, Any]:
