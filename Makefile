@@ -10,7 +10,7 @@ SETUP ?= $(STAMP)
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="model=gpt_small optim=adamw"
 ARGS ?=
 
-.PHONY: setup run test test-slow test-gpu test-all clean
+.PHONY: setup run test test-slow test-gpu test-all bench-gpu clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,17 @@ test-slow: $(SETUP)
 # The CUDA paths; each test says why it is skipped on a machine without (enough) GPUs.
 test-gpu: $(SETUP)
 	$(PY) -m pytest -m gpu
+
+# The GPU benchmark: ours (AdamW, Muon) against scripts/reference_gpt.py at gpt_124m, then
+# moe_1b with Muon (tokens/s, MFU, kernels and host syncs per step, GPU busy %, peak memory),
+# then the Muon step at gpt_124m against its Newton-Schulz FLOP floor.
+# On a GPU image with its own torch: make bench-gpu PY=python3 SETUP=
+bench-gpu: $(SETUP)
+	$(PY) scripts/bench_train.py --models gpt_124m --modes compiled --precisions bf16 \
+		--optims adamw muon --batch-size 16 --seq-len 1024 --warmup 3 --rounds 5 --steps 10 --census
+	$(PY) scripts/bench_train.py --models moe_1b --modes compiled --precisions bf16 \
+		--optims muon --batch-size 8 --seq-len 2048 --warmup 3 --rounds 3 --steps 5 --census
+	$(PY) scripts/bench_optimizer.py --model gpt_124m --dtypes bf16 --warmup 5 --repeats 20
 
 test-all: $(SETUP)
 	$(PY) -m pytest

@@ -47,7 +47,7 @@ CATEGORIES = ("compute", "comm", "optimizer", "eval", "idle")
 # Collectives the backend records itself on the calling thread: c10d ops ("c10d::allreduce_"),
 # gloo/nccl spans ("gloo:all_reduce", "nccl:all_gather") and their parameter records.
 _BACKEND_COMM = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms$)", re.IGNORECASE)
-_DEVICE_OPS = ("kernel", "gpu_memcpy", "gpu_memset")
+DEVICE_OP_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 Intervals = list[tuple[float, float]]
@@ -252,7 +252,7 @@ def analyze(trace: dict[str, Any], path: Path = Path("trace.json")) -> RankStats
     on_main = [e for e in events if e.tid == main]
     comm_regions = [e for e in on_main if e.name.startswith(COMM_PREFIX)]
     phases = {name: [e for e in on_main if e.name == name] for name in (OPTIMIZER, EVAL)}
-    device_ops = [e for e in events if e.cat in _DEVICE_OPS]
+    device_ops = [e for e in events if e.cat in DEVICE_OP_CATEGORIES]
     stats = RankStats(trace_rank(trace, path), [int(s.name[len(STEP_PREFIX):]) for s in steps],
                       "cuda" if device_ops else "cpu")
 

@@ -40,13 +40,18 @@ def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and aligned)
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows ends[e-1]:ends[e] of x [N, in] times w[e] [in, out], for every expert e."""
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, host_ends: Optional[list[int]] = None
+) -> torch.Tensor:
+    """Rows ends[e-1]:ends[e] of x [N, in] times w[e] [in, out], for every expert e.
+
+    Without torch._grouped_mm the per-expert loop needs the boundaries on the host: a host
+    sync, made once per layer when the caller passes them as `host_ends`."""
     if grouped_mm_usable(x, w):
         return torch._grouped_mm(x, w, offs=ends.to(torch.int32))
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
-    for e, end in enumerate(ends.tolist()):
+    for e, end in enumerate(ends.tolist() if host_ends is None else host_ends):
         out[start:end] = x[start:end] @ w[e]
         start = end
     return out
@@ -64,9 +69,13 @@ class Experts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(x_sorted.device.type) if torch.is_autocast_enabled(x_sorted.device.type) else x_sorted.dtype
         x = x_sorted.to(dtype)
-        gate = grouped_matmul(x, self.w_gate.to(dtype).transpose(-2, -1), ends)
-        up = grouped_matmul(x, self.w_up.to(dtype).transpose(-2, -1), ends)
-        return grouped_matmul(F.silu(gate) * up, self.w_down.to(dtype).transpose(-2, -1), ends)
+        w_gate, w_up = self.w_gate.to(dtype).transpose(-2, -1), self.w_up.to(dtype).transpose(-2, -1)
+        # The sync-free path is torch._grouped_mm (bf16 on compute capability 9.0+ on CUDA);
+        # the fallback reads the expert boundaries to the host once for all three products.
+        host_ends = None if grouped_mm_usable(x, w_gate) else ends.tolist()
+        gate = grouped_matmul(x, w_gate, ends, host_ends)
+        up = grouped_matmul(x, w_up, ends, host_ends)
+        return grouped_matmul(F.silu(gate) * up, self.w_down.to(dtype).transpose(-2, -1), ends, host_ends)
 
 
 class SharedExperts(nn.Module):
@@ -125,14 +134,20 @@ class MoE(nn.Module):
         x_experts = copy_to_tp(x_flat, self.tp_group)
 
         # Sort the N*k (token, expert) pairs by expert: each expert's tokens are contiguous.
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
+        # Where each expert's block ends comes from a search in the sorted ids, not from a
+        # bincount, whose data-dependent output size costs a host sync on CUDA and a graph
+        # break under torch.compile.
+        sorted_ids, order = ids.flatten().sort(stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat_ids, minlength=self.n_experts)
-        ends = counts.cumsum(0)
+        experts = torch.arange(self.n_experts, device=ids.device)
+        ends = torch.searchsorted(sorted_ids, experts, right=True)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
         y = self.experts(x_experts[token_of], ends)
-        y = y.float() * gates.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(x_flat, dtype=torch.float32).index_add_(0, token_of, y).type_as(x)
+        # Back in (token, slot) order, each token's k expert outputs are weighted by their
+        # gates and summed in fp32: a plain reduction (compile fuses it), with no
+        # atomics, so the sum does not depend on the order threads add in.
+        y = y[order.argsort()].view(batch * seq, self.top_k, -1)
+        out = (y.float() * gates.unsqueeze(-1)).sum(dim=1).type_as(x)
         out = reduce_from_tp(out, self.tp_group)
         if self.shared is not None:
             out = out + self.shared(x_experts)
@@ -153,7 +168,7 @@ class MoE(nn.Module):
         return self.aux_loss_coef * self.n_experts * (fraction * probs.mean(0)).sum()
 
     @torch.no_grad()
-    def update_bias(self, total_load: torch.Tensor, rate: float) -> None:
+    def update_bias(self, total_load: torch.Tensor, rate: float | torch.Tensor) -> None:
         """bias_e += rate * sign(mean load - load_e): under-used experts become likelier."""
         self.expert_bias += rate * torch.sign(total_load.mean() - total_load)
 
@@ -164,16 +179,22 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
 
 
 @torch.no_grad()
-def balance_experts(model: nn.Module, dp_group: Group, rate: float, n_micro_batches: int) -> dict[str, torch.Tensor]:
+def balance_experts(
+    model: nn.Module, dp_group: Group, rate: float, n_micro_batches: int, found_inf: Optional[torch.Tensor] = None
+) -> dict[str, torch.Tensor]:
     """After an optimizer step: move every layer's expert bias toward balanced load, using the
     routed-token counts of the step summed over data-parallel ranks (so every rank keeps the
     same bias), and return the step's MoE metrics as device tensors.
 
-    TP ranks route the same tokens identically, so their counts need no reduction.
+    TP ranks route the same tokens identically, so their counts need no reduction. With
+    `found_inf` (1.0 for a step the optimizers skipped on the device) the bias moves by a rate
+    of zero on a skipped step, without a host sync.
     """
     layers = moe_layers(model)
     if not layers:
         return {}
+    if found_inf is not None:
+        rate = rate * (1.0 - found_inf)
     dp = group_size(dp_group)
     # One all-reduce for every layer: [L, E + 1] = the loads, then the entropy sum.
     packed = torch.stack([torch.cat([m.load, m.entropy_sum.view(1)]) for _, m in layers])

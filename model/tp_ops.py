@@ -6,7 +6,6 @@ TP model can be read off the layer code. With a TP group of one they are identit
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from model.comm import Group, all_gather_into, all_reduce, group_rank, group_size  # noqa: F401
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from model.config import ModelConfig
+from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.muon import Muon
 from optim.optimizer_set import OptimizerSet
@@ -37,11 +38,13 @@ class MuonWithAdamW(OptimizerSet):
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh = Mesh()
+    model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh = Mesh(),
+    compile_updates: bool = False,
 ) -> MuonWithAdamW | ZeroOptimizer:
-    """ZeRO-1 over DP when there is data parallelism, else a plain local optimizer."""
+    """ZeRO-1 over DP when there is data parallelism, else a plain local optimizer.
+    `compile_updates`: Muon's elementwise work as compiled fused kernels (see Muon)."""
     if mesh.dp > 1:
-        return ZeroOptimizer(model, cfg, model_cfg, mesh)
+        return ZeroOptimizer(model, cfg, model_cfg, mesh, compile_updates)
     params = dict(model.named_parameters())
     by_target: dict[str, dict[str, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for route in route_parameters(model, cfg.name):
@@ -76,10 +79,9 @@ def build_optimizer(
             adjust_lr=m.adjust_lr,
             eps=m.eps,
             tp_mode=m.tp_mode,
+            compile_updates=compile_updates,
         )
     if by_target["adamw"]:
-        optimizers["adamw"] = torch.optim.AdamW(
-            groups("adamw"), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
-        )
+        optimizers["adamw"] = build_adamw(groups("adamw"), cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return MuonWithAdamW(optimizers, trainable, mesh)

@@ -29,6 +29,18 @@ def average_gradients(params: Iterable[torch.Tensor], group: Optional[dist.Proce
             offset += g.numel()
 
 
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared elements of all `tensors`, accumulated in fp32, as a 0-d tensor.
+
+    One foreach norm over the list (one multi-tensor kernel on a GPU), not a pow and a sum
+    per tensor: the step's reductions stay constant in the number of parameters.
+    """
+    if not tensors:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
 def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """L2 norm of the full model's gradient (after DP averaging), on every rank.
 
@@ -40,11 +52,10 @@ def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.Pro
         if p.grad is None:
             continue
         target = sharded if getattr(p, "tp_split_dim", None) is not None else replicated
-        target.append(p.grad.float().pow(2).sum())
+        target.append(p.grad)
     device = next(iter(sharded + replicated)).device
-    sq_sharded = torch.stack(sharded).sum() if sharded else torch.zeros((), device=device)
-    sq_replicated = torch.stack(replicated).sum() if replicated else torch.zeros((), device=device)
-    return (all_reduce(sq_sharded, tp_group) + sq_replicated).sqrt()
+    sq_sharded = all_reduce(sum_of_squares(sharded, device), tp_group)
+    return (sq_sharded + sum_of_squares(replicated, device)).sqrt()
 
 
 def clip_gradients(params: list[torch.Tensor], max_norm: float, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -36,6 +36,7 @@ from optim.newton_schulz import (
     newton_schulz,
     reusable_buffer,
 )
+from optim import muon_fused
 from optim.newton_schulz_tp import newton_schulz_sharded
 from trainer.precision import resolve_precision
 
@@ -150,11 +151,6 @@ def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
     return split
 
 
-def matrix_view(t: Tensor, k: int, rows: int, cols: int) -> Tensor:
-    """t as [k, rows, cols] for reading: a view when t's strides allow it, else a copy."""
-    return t.reshape(k, rows, cols)
-
-
 @dataclass
 class _Item:
     """One parameter's contribution to a stack: matrices [offset, offset + k) of the stack."""
@@ -184,6 +180,13 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral" (sqrt(max(1, A/B)))
             or "none", for the A x B matrix actually orthogonalised.
         eps: added to the Frobenius norm before normalising.
+        tp_mode: "gather" or "gram", how TP-sharded matrices are orthogonalised.
+        compile_updates: run the elementwise work (momentum, weight decay, update) as
+            torch.compile'd fused kernels (optim/muon_fused.py): fewer memory passes, for GPUs.
+
+    Like torch's fused optimizers, `step` honours a `found_inf` attribute (a 0-d float tensor
+    on the parameters' device; OptimizerSet.step sets it): where it is 1 the step leaves
+    parameters and momentum unchanged, decided on the device with no host sync.
     """
 
     def __init__(
@@ -199,6 +202,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: str = "match_rms_adamw",
         eps: float = 1e-7,
         tp_mode: str = "gather",
+        compile_updates: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -217,6 +221,9 @@ class Muon(torch.optim.Optimizer):
         # Fail on the defaults themselves even when every group overrides them.
         _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
         super().__init__(params, defaults)
+        # Not a group option: it says how this process computes, not what the optimizer is
+        # (checkpoints written with it load without it, and the other way round).
+        self.compile_updates = compile_updates
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -262,123 +269,196 @@ class Muon(torch.optim.Optimizer):
                 key = (rows, cols, p.dtype, p.device, *ns_key)
                 stacks.setdefault(key, []).append(item)
 
-        for (rows, cols, dtype, device, steps, coefficients, ns_dtype, eps), items in stacks.items():
-            self._step_stack(items, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
+        gate = None if getattr(self, "found_inf", None) is None else _Gate.of(self.found_inf)
+        work = _Elementwise(gate, self.compile_updates)
+        for (rows, cols, dtype, device, *ns), items in stacks.items():
+            _step_stack(items, rows, cols, dtype, device, _NS(*ns), work)
         for (rows, cols, split, _, _, dtype, device, *ns), items in tp_stacks.items():
-            self._step_tp_stack(items, split, *ns)
+            _step_tp_stack(items, split, _NS(*ns), work)
         return loss
 
-    @staticmethod
-    def _step_tp_stack(items: list[_Item], split: int, steps: int, coefficients: str,
-                       ns_dtype: torch.dtype, eps: float) -> None:
-        """Same-shape TP shards, orthogonalised as the full matrices they are parts of.
 
-        tp_mode "gather": one TP all-gather of the whole stack along the split dimension,
-        Newton-Schulz on the full matrices (repeated on every TP rank), keep the own shard.
-        tp_mode "gram": Newton-Schulz on the shards, all-reducing the small Gram matrix each
-        iteration (newton_schulz_sharded). Either way the scale uses the full matrix shape.
-        """
-        group = items[0].group["tp_group"]
-        inputs = torch.cat([
-            momentum_update(matrix_view(it.buf, it.k, it.rows, it.cols),
-                            matrix_view(it.grad, it.k, it.rows, it.cols),
-                            it.group["momentum"], it.group["nesterov"])
-            for it in items
-        ])
-        tp = group_size(group)
-        rows_full, cols_full = (items[0].rows * tp, items[0].cols) if split == 0 else (items[0].rows, items[0].cols * tp)
-        if items[0].group["tp_mode"] == "gram":
-            own = newton_schulz_sharded(inputs, split, group, steps, coefficients, ns_dtype, eps)
-        else:
-            gathered = inputs.new_empty((tp, *inputs.shape))
-            all_gather_into(gathered, inputs, group)
-            full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols]: full matrices
-            ortho = newton_schulz(full, steps, coefficients, ns_dtype, eps, out_dtype=ns_dtype)
-            own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
-        offset = 0
-        for it in items:
-            lr, wd = it.group["lr"], it.group["weight_decay"]
-            scale = muon_scale(rows_full, cols_full, it.group["adjust_lr"])
-            _apply_update(it.param, own[offset : offset + it.k], it.k, it.rows, it.cols, lr, wd, -lr * scale)
-            offset += it.k
+@dataclass(frozen=True)
+class _NS:
+    """The Newton-Schulz settings of a stack."""
+
+    steps: int
+    coefficients: str
+    dtype: torch.dtype
+    eps: float
+
+
+@dataclass(frozen=True)
+class _Gate:
+    """An on-device skip of the whole step, from `found_inf` (a 0-d float tensor, 1.0 when the
+    gradients are not finite), the attribute torch's optimizers read for the same purpose.
+    Nothing is read back to the host: a skipped step zeroes the gradients' copy before they
+    reach the momentum, keeps the momentum (factor 1) and gates the update and weight decay."""
+
+    skip: Tensor  # bool
+    keep: Tensor  # 1.0, or 0.0 to skip
 
     @staticmethod
-    def _step_stack(
-        items: list[_Item],
-        rows: int,
-        cols: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        steps: int,
-        coefficients: str,
-        ns_dtype: torch.dtype,
-        eps: float,
-    ) -> None:
-        """All rows x cols matrices of one step and setting: momentum into [N, rows, cols]
-        stacks, batched Newton-Schulz, per-parameter updates.
+    def of(found_inf: Tensor) -> "_Gate":
+        skip = found_inf != 0
+        return _Gate(skip, (~skip).to(torch.float32))
 
-        Off CPU all N matrices form one stack and go through one newton_schulz call. On CPU
-        the items are cut into runs of about batch_chunk(...) matrices, each carried from
-        momentum to parameter update while its data is still in cache (see batch_chunk).
-        """
-        limit = batch_chunk(min(rows, cols), max(rows, cols), ns_dtype, device)
-        run: list[_Item] = []
-        for it in items:
-            run.append(it)
-            if limit is not None and sum(r.k for r in run) >= limit:
-                _step_run(run, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
-                run = []
-        if run:
-            _step_run(run, rows, cols, dtype, device, steps, coefficients, ns_dtype, eps)
+
+def _step_tp_stack(items: list[_Item], split: int, ns: _NS, work: _Elementwise) -> None:
+    """Same-shape TP shards, orthogonalised as the full matrices they are parts of.
+
+    tp_mode "gather": one TP all-gather of the whole stack along the split dimension,
+    Newton-Schulz on the full matrices (repeated on every TP rank), keep the own shard.
+    tp_mode "gram": Newton-Schulz on the shards, all-reducing the small Gram matrix each
+    iteration (newton_schulz_sharded). Either way the scale uses the full matrix shape.
+    """
+    first = items[0]
+    group = first.group["tp_group"]
+    inputs = torch.empty(sum(it.k for it in items), first.rows, first.cols,
+                         dtype=first.param.dtype, device=first.param.device)
+    work.momentum_into(items, inputs)
+    keep = work.keep
+    tp = group_size(group)
+    rows_full, cols_full = (first.rows * tp, first.cols) if split == 0 else (first.rows, first.cols * tp)
+    if first.group["tp_mode"] == "gram":
+        own = newton_schulz_sharded(inputs, split, group, ns.steps, ns.coefficients, ns.dtype, ns.eps, keep=keep)
+    else:
+        gathered = inputs.new_empty((tp, *inputs.shape))
+        all_gather_into(gathered, inputs, group)
+        full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols]: full matrices
+        ortho = newton_schulz(full, ns.steps, ns.coefficients, ns.dtype, ns.eps, out_dtype=ns.dtype, keep=keep)
+        own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
+    work.apply_updates(items, own, rows_full, cols_full)
+
+
+def _step_stack(
+    items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
+    work: _Elementwise,
+) -> None:
+    """All rows x cols matrices of one step and setting: momentum into [N, rows, cols]
+    stacks, batched Newton-Schulz, the parameter updates.
+
+    Off CPU all N matrices form one stack and go through one newton_schulz call. On CPU
+    the items are cut into runs of about batch_chunk(...) matrices, each carried from
+    momentum to parameter update while its data is still in cache (see batch_chunk).
+    """
+    limit = batch_chunk(min(rows, cols), max(rows, cols), ns.dtype, device)
+    run: list[_Item] = []
+    for it in items:
+        run.append(it)
+        if limit is not None and sum(r.k for r in run) >= limit:
+            _step_run(run, rows, cols, dtype, device, ns, work)
+            run = []
+    if run:
+        _step_run(run, rows, cols, dtype, device, ns, work)
 
 
 def _step_run(
-    items: list[_Item],
-    rows: int,
-    cols: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    steps: int,
-    coefficients: str,
-    ns_dtype: torch.dtype,
-    eps: float,
+    items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
+    work: _Elementwise,
 ) -> None:
     """Momentum into one [N, rows, cols] stack, one batched Newton-Schulz, the updates."""
     total = sum(it.k for it in items)
     # In the parameters' dtype: the Newton-Schulz input, then (in place) its output, so that
     # the update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
     stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device)
-    offset = 0
+    work.momentum_into(items, stack)
+    ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=stack, keep=work.keep)
+    work.apply_updates(items, ortho, rows, cols)
+
+
+def _stack_views(items: list[_Item], stack: Tensor) -> list[Tensor]:
+    """Each item's matrices [offset, offset + k) of `stack` [N, rows, cols], in its
+    parameter's shape (a view wherever the stack's strides allow it)."""
+    views, offset = [], 0
     for it in items:
-        momentum_update(
-            matrix_view(it.buf, it.k, it.rows, it.cols),
-            matrix_view(it.grad, it.k, it.rows, it.cols),
-            it.group["momentum"],
-            it.group["nesterov"],
-            out=stack[offset : offset + it.k],
-        )
+        views.append(stack[offset : offset + it.k].reshape(it.param.shape))
         offset += it.k
-    ortho = newton_schulz(stack, steps, coefficients, ns_dtype, eps, out=stack)
-
-    offset = 0
-    for it in items:
-        upd = ortho[offset : offset + it.k]
-        offset += it.k
-        lr, wd = it.group["lr"], it.group["weight_decay"]
-        scale = muon_scale(it.rows, it.cols, it.group["adjust_lr"])
-        _apply_update(it.param, upd, it.k, it.rows, it.cols, lr, wd, -lr * scale)
+    return views
 
 
-def _apply_update(
-    p: Tensor, upd: Tensor, k: int, rows: int, cols: int, lr: float, wd: float, alpha: float
-) -> None:
-    """p <- p * (1 - lr * wd) + alpha * upd, with upd shaped [k, rows, cols]."""
-    try:
-        target = p.view(k, rows, cols)
-    except RuntimeError:  # strides that cannot be regrouped: work on a copy, write it back
-        target = p.reshape(k, rows, cols).clone()
-    if wd != 0:
-        target.mul_(1.0 - lr * wd)
-    target.add_(upd, alpha=alpha)
-    if target.data_ptr() != p.data_ptr():
-        p.copy_(target.view(p.shape))
+def _by_setting(items: list[_Item], setting: Callable[[_Item], tuple]) -> dict[tuple, list[int]]:
+    """Item indices grouped by `setting(item)`: one foreach call per distinct setting."""
+    out: dict[tuple, list[int]] = {}
+    for i, it in enumerate(items):
+        out.setdefault(setting(it), []).append(i)
+    return out
+
+
+class _Elementwise:
+    """Muon's elementwise work in one step: the momentum step into the Newton-Schulz stack,
+    and the weight decay and update after it. Eager for-each ops (a few launches per stack
+    whatever its size), or with `compiled` (optim/muon_fused.py) fused kernels that stream
+    each matrix through memory once per phase. Either honours the step's gate."""
+
+    def __init__(self, gate: _Gate | None, compiled: bool) -> None:
+        self.gate = gate
+        self.compiled = compiled
+
+    @property
+    def keep(self) -> Tensor | None:
+        """What Newton-Schulz gates its result with (None: no gate)."""
+        return None if self.gate is None else self.gate.keep
+
+    def _keep_on(self, device: torch.device) -> Tensor:
+        return self.gate.keep if self.gate is not None else torch.ones((), device=device)
+
+    def momentum_into(self, items: list[_Item], stack: Tensor) -> None:
+        """Every item's momentum step, its Newton-Schulz input written into its part of `stack`.
+
+        With a gate, eagerly: the gradients are first copied into the stack and zeroed there
+        on a skipped step (NaN * 0 is NaN, so only overwriting removes a non-finite value),
+        and the momentum factor becomes 1, so the buffers come out unchanged. The stack then
+        holds momentum * buf, which Newton-Schulz's gate turns into a zero update.
+        """
+        outs = _stack_views(items, stack)
+        if self.compiled:
+            keep = self._keep_on(stack.device)
+            for (mu, nesterov), idx in _by_setting(items, _momentum_setting).items():
+                muon_fused.compiled(muon_fused.momentum_step)(
+                    [items[i].buf for i in idx], [items[i].grad for i in idx], [outs[i] for i in idx],
+                    mu, nesterov, keep,
+                )
+            return
+        gate = self.gate
+        if gate is not None:
+            torch._foreach_copy_(outs, [it.grad for it in items])
+            stack.masked_fill_(gate.skip, 0.0)
+        for (mu, nesterov), idx in _by_setting(items, _momentum_setting).items():
+            bufs, dst = [items[i].buf for i in idx], [outs[i] for i in idx]
+            if gate is None:
+                momentum_update(bufs, [items[i].grad for i in idx], dst, mu, nesterov)
+                continue
+            torch._foreach_mul_(bufs, torch.where(gate.skip, 1.0, mu))
+            torch._foreach_add_(bufs, dst)
+            if nesterov:
+                torch._foreach_add_(dst, bufs, alpha=mu)
+            else:
+                torch._foreach_copy_(dst, bufs)
+
+    def apply_updates(self, items: list[_Item], ortho: Tensor, rows: int, cols: int) -> None:
+        """p <- p * (1 - lr * wd) - lr * scale * O for every item, O its matrices of `ortho`
+        (scaled for the rows x cols matrix that was orthogonalised). A skipped step's O is
+        zero already; the gate keeps its weight decay off too."""
+        updates = _stack_views(items, ortho)
+
+        # By param group, not by the values: the lists (and so the compiled variants) stay
+        # the same from step to step whatever the schedule does to lr.
+        for (_,), idx in _by_setting(items, lambda it: (id(it.group),)).items():
+            group = items[idx[0]].group
+            decay = group["lr"] * group["weight_decay"]
+            alpha = -group["lr"] * muon_scale(rows, cols, group["adjust_lr"])
+            params, upd = [items[i].param for i in idx], [updates[i] for i in idx]
+            if self.compiled:
+                keep = self._keep_on(ortho.device)
+                muon_fused.compiled(muon_fused.update_step)(
+                    params, upd, 1.0 - decay * keep, torch.full((), alpha, device=ortho.device)
+                )
+                continue
+            if decay != 0:
+                torch._foreach_mul_(params, 1.0 - decay if self.gate is None else 1.0 - decay * self.gate.keep)
+            torch._foreach_add_(params, upd, alpha=alpha)
+
+
+def _momentum_setting(it: _Item) -> tuple[float, bool]:
+    return it.group["momentum"], it.group["nesterov"]

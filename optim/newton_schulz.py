@@ -82,22 +82,26 @@ def muon_scale(rows: int, cols: int, adjust_lr: str) -> float:
 
 
 def momentum_update(
-    buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, out: Tensor | None = None
-) -> Tensor:
-    """buf <- momentum * buf + grad (in place); returns the Newton-Schulz input.
+    bufs: Sequence[Tensor], grads: Sequence[Tensor], outs: Sequence[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """For every (buf, grad, out): buf <- momentum * buf + grad in place, and out <- the
+    Newton-Schulz input (grad + momentum * buf with the updated buf for Nesterov, else buf),
+    cast to out's dtype. `out` may be any tensor of grad's shape, a view into a stack
+    included; it never aliases buf.
 
-    Nesterov: grad + momentum * buf (with the updated buf); otherwise buf itself. When `out`
-    is given (any tensor of grad's shape, a strided view into a stack included), the input is
-    written there, cast to out's dtype, and `out` is returned; buf is never aliased by it.
+    A handful of foreach ops for the whole list: on a GPU each is one multi-tensor kernel,
+    so the launches do not grow with the number of matrices.
     """
-    torch.add(grad, buf, alpha=momentum, out=buf)  # one pass: buf = grad + momentum * buf
+    bufs, grads, outs = list(bufs), list(grads), list(outs)
+    if not bufs:
+        return
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
     if nesterov:
-        if out is None:
-            return torch.add(grad, buf, alpha=momentum)
-        return torch.add(grad, buf, alpha=momentum, out=out)
-    if out is None:
-        return buf
-    return out.copy_(buf)
+        torch._foreach_copy_(outs, grads)
+        torch._foreach_add_(outs, bufs, alpha=momentum)
+    else:
+        torch._foreach_copy_(outs, bufs)
 
 
 def newton_schulz(
@@ -108,6 +112,7 @@ def newton_schulz(
     eps: float = 1e-7,
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
 
@@ -120,6 +125,10 @@ def newton_schulz(
 
     All matrices go through the same batched GEMMs; on CPU the batch is cut into runs of
     `batch_chunk(...)` matrices so that each run's working set stays in cache.
+
+    `keep`, a 0-d tensor of 1 or 0 on G's device, gates the result without a host sync: 0
+    makes every output matrix zero (an optimizer step skipped on the device). G must then be
+    finite.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., rows, cols] tensor, got shape {list(G.shape)}")
@@ -141,7 +150,7 @@ def newton_schulz(
     safety = NORM_SAFETY[coefficients]
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
-        X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start])
+        X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start], keep)
         # The last step writes straight into `out` when no cast is needed.
         final = out3[start:stop] if out.dtype == dtype else None
         X = _iterate(X, coeffs, work, final)
@@ -233,12 +242,15 @@ def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _normalise(G: Tensor, safety: float, eps: float, out: Tensor) -> Tensor:
+def _normalise(G: Tensor, safety: float, eps: float, out: Tensor, keep: Tensor | None = None) -> Tensor:
     """out[i] = G[i] / (||G[i]||_F * safety + eps), computed in fp32 (fp64 for fp64 input)
-    and rounded once into out's dtype."""
+    and rounded once into out's dtype. keep == 0 makes the denominator infinite: out is zero,
+    and so is every Newton-Schulz iterate after it."""
     acc = torch.float64 if G.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=acc)
     denom = norm.mul_(safety).add_(eps) if safety != 1.0 else norm.add_(eps)
+    if keep is not None:
+        denom.div_(keep)
     return torch.div(G, denom, out=out)
 
 

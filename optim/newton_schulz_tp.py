@@ -16,6 +16,7 @@ def newton_schulz_sharded(
     coefficients: str = "classic",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """This rank's shard of Newton-Schulz(X) for the N full matrices X split over `group`.
 
@@ -25,12 +26,16 @@ def newton_schulz_sharded(
       rows split:  G = X^T X = sum_r X_r^T X_r  (cols x cols),  X_r <- a X_r + X_r (bG + cG^2)
       cols split:  A = X X^T = sum_c X_c X_c^T  (rows x rows),  X_c <- a X_c + (bA + cA^2) X_c
     so each iteration all-reduces one small Gram matrix and keeps the update local. The
-    Frobenius norm is all-reduced once. Returns the shard in `dtype`.
+    Frobenius norm is all-reduced once. Returns the shard in `dtype`. `keep` gates the result
+    as in newton_schulz (0: zeros).
     """
     coeffs = coefficients_for(coefficients, steps)
     sq = X_shard.float().pow(2).sum(dim=(-2, -1), keepdim=True)
     norm = all_reduce(sq, group).sqrt_()
-    X = (X_shard.float() / (norm * NORM_SAFETY[coefficients] + eps)).to(dtype)
+    denom = norm * NORM_SAFETY[coefficients] + eps
+    if keep is not None:
+        denom = denom / keep
+    X = (X_shard.float() / denom).to(dtype)
     for a, b, c in coeffs:
         gram = X.mT @ X if split == 0 else X @ X.mT
         # Summed in fp32: the Gram matrix is small, and its accuracy bounds the whole step.

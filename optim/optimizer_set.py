@@ -1,9 +1,37 @@
 """Several torch optimizers stepped as one, with one state_dict; the trainer's interface."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def skip_if(optimizers: Iterable[torch.optim.Optimizer], found_inf: Optional[torch.Tensor]) -> Iterator[None]:
+    """Hand `found_inf` to the optimizers for the steps inside, the way torch's GradScaler
+    does: an optimizer reads it as its `found_inf` attribute (torch's fused AdamW, and our
+    Muon) and leaves parameters and state as they were where it is 1."""
+    optimizers = list(optimizers)
+    if found_inf is None:
+        yield
+        return
+    for opt in optimizers:
+        opt.found_inf = found_inf
+    try:
+        yield
+    finally:
+        for opt in optimizers:
+            opt.__dict__.pop("found_inf", None)
+
+
+def install_state(key: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A copy of one optimizer state tensor (checkpoints load onto the CPU) on its parameter's
+    device. AdamW's step count goes there too, in fp32, where torch's load_state_dict puts it
+    for the fused kernel (which reads it on the device); elsewhere it would fault."""
+    if key == "step":
+        return value.to(device=param.device, dtype=torch.float32, copy=True)
+    return value.to(device=param.device, copy=True)
 
 
 class OptimizerSet:
@@ -28,9 +56,12 @@ class OptimizerSet:
         raise NotImplementedError
 
     @torch.no_grad()
-    def step(self) -> None:
-        for opt in self.optimizers.values():
-            opt.step()
+    def step(self, found_inf: Optional[torch.Tensor] = None) -> None:
+        """Step every optimizer; with `found_inf` (a 0-d float tensor on the device, 1.0 when
+        the gradients are not finite) the step is skipped on the device, with no host sync."""
+        with skip_if(self.optimizers.values(), found_inf):
+            for opt in self.optimizers.values():
+                opt.step()
 
     def state_dict(self) -> dict[str, Any]:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
@@ -59,7 +90,7 @@ class OptimizerSet:
         for name, state in local.items():
             p = params[name]
             opt = next(o for o in self.optimizers.values() if any(p is q for g in o.param_groups for q in g["params"]))
-            opt.state[p] = {k: v.clone() for k, v in state.items()}
+            opt.state[p] = {k: install_state(k, v, p) for k, v in state.items()}
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for opt in self.optimizers.values():

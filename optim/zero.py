@@ -15,15 +15,17 @@ ZeRO-1, and each Muon matrix is orthogonalised by exactly one DP rank.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from model.comm import all_gather_async, all_reduce, group_size, reduce_scatter_into
 from model.config import ModelConfig
+from optim.adamw import build_adamw
 from optim.config import OptimConfig
+from optim.grad_ops import sum_of_squares
 from optim.muon import Muon, matrix_layout, tp_gather_dim
-from optim.optimizer_set import OptimizerSet
+from optim.optimizer_set import OptimizerSet, install_state, skip_if
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
 from trainer.mesh import Mesh
@@ -52,7 +54,8 @@ def newton_schulz_shapes(
 class ZeroOptimizer(OptimizerSet):
     """ZeRO-1 Muon + AdamW (optim=muon) or ZeRO-1 AdamW (optim=adamw) over the DP group."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh,
+                 compile_updates: bool = False) -> None:
         self.mesh = mesh
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -122,11 +125,11 @@ class ZeroOptimizer(OptimizerSet):
             optimizers["muon"] = Muon(groups, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
                                       ns_steps=m.ns_steps, coefficients=m.coefficients,
                                       ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps,
-                                      tp_mode=m.tp_mode)
+                                      tp_mode=m.tp_mode, compile_updates=compile_updates)
         if adamw_groups:
             groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}
                       for kind, plist in adamw_groups.items()]
-            optimizers["adamw"] = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+            optimizers["adamw"] = build_adamw(groups, cfg)
         super().__init__(optimizers)
         # Which owned slices belong to TP-sharded parameters (their squares sum over TP).
         self._sharded = [getattr(self.params[s.param], "tp_split_dim", None) is not None for _, s in self._owned]
@@ -141,18 +144,24 @@ class ZeroOptimizer(OptimizerSet):
         """out (fp32, hi - lo elements) <- the flat buffer's elements [lo, hi) taken from
         `tensors` (one per parameter), zeros in the padding."""
         out.zero_()
+        dst, src = [], []
         for s in self._slices_in(lo, hi):
             a, b = max(lo, s.offset), min(hi, s.offset + s.length)
-            src = tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset]
-            out[a - lo : b - lo].copy_(src)
+            src.append(tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset])
+            dst.append(out[a - lo : b - lo])
+        if dst:
+            torch._foreach_copy_(dst, src)  # one multi-tensor copy, not one per parameter
         return out
 
-    def _unpack(self, flat: torch.Tensor, lo: int, hi: int) -> None:
-        """The parameters' elements at flat-buffer offsets [lo, hi) <- flat."""
+    def _unpack_views(self, flat: torch.Tensor, lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations, sources): the parameters' elements at flat-buffer offsets [lo, hi)
+        and the pieces of `flat` that hold them, for one for-each copy."""
+        dst, src = [], []
         for s in self._slices_in(lo, hi):
             a, b = max(lo, s.offset), min(hi, s.offset + s.length)
-            dst = self.params[s.param].data.view(-1)[s.start + a - s.offset : s.start + b - s.offset]
-            dst.copy_(flat[a - lo : b - lo])
+            dst.append(self.params[s.param].data.view(-1)[s.start + a - s.offset : s.start + b - s.offset])
+            src.append(flat[a - lo : b - lo])
+        return dst, src
 
     @torch.no_grad()
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
@@ -168,10 +177,9 @@ class ZeroOptimizer(OptimizerSet):
             local = s.offset - self.segment_start
             tensor.grad = self.segment_grad[local : local + s.length].view(tensor.shape)
 
-        sq = [t.grad.pow(2).sum() for t, _ in self._owned]
-        zero = self.segment_grad.new_zeros(())
-        sq_sharded = torch.stack([x for x, f in zip(sq, self._sharded) if f] or [zero]).sum()
-        sq_replicated = torch.stack([x for x, f in zip(sq, self._sharded) if not f] or [zero]).sum()
+        device = self.segment_grad.device
+        sq_sharded = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if f], device)
+        sq_replicated = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if not f], device)
         both = all_reduce(torch.stack([sq_sharded, sq_replicated]), self.mesh.dp_group)
         norm = (all_reduce(both[0:1], self.mesh.tp_group)[0] + both[1]).sqrt()
         if max_norm > 0:
@@ -180,28 +188,38 @@ class ZeroOptimizer(OptimizerSet):
         return norm
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, found_inf: Optional[torch.Tensor] = None) -> None:
         """Step what this rank owns, then all-gather the updated segments.
 
         With optim.gather_buckets = B > 1 the segment is cut into B buckets (the same cuts on
         every rank): AdamW steps first, then the Muon matrices bucket by bucket, and each
         bucket's all-gather is launched asynchronously as soon as every matrix touching it is
         updated, so its transfer overlaps the Newton-Schulz of the following buckets.
+
+        `found_inf` skips the step on the device (see OptimizerSet.step); every rank holds the
+        same flag (the norm is global), so the gathered parameters agree either way.
         """
-        if "adamw" in self.optimizers:
-            self.optimizers["adamw"].step()
         muon = self.optimizers.get("muon")
         dp, segment = self.mesh.dp, self.plan.segment
         pending = []
-        for (lo, hi), matrices, piece, gathered in zip(self._buckets, self._muon_by_bucket, self._pieces, self._gathered):
-            if muon is not None and matrices:
-                muon.step(only=matrices)
-            self._pack(self.params, self.segment_start + lo, self.segment_start + hi, piece)
-            pending.append((lo, hi, gathered, all_gather_async(gathered, piece, self.mesh.dp_group)))
+        with skip_if(self.optimizers.values(), found_inf):
+            if "adamw" in self.optimizers:
+                self.optimizers["adamw"].step()
+            for (lo, hi), matrices, piece, gathered in zip(self._buckets, self._muon_by_bucket, self._pieces, self._gathered):
+                if muon is not None and matrices:
+                    muon.step(only=matrices)
+                self._pack(self.params, self.segment_start + lo, self.segment_start + hi, piece)
+                pending.append((lo, hi, gathered, all_gather_async(gathered, piece, self.mesh.dp_group)))
         for lo, hi, gathered, handle in pending:
             handle.wait()
+            dst, src = [], []
             for r in range(dp):
-                self._unpack(gathered[r * (hi - lo) : (r + 1) * (hi - lo)], r * segment + lo, r * segment + hi)
+                views, pieces = self._unpack_views(gathered[r * (hi - lo) : (r + 1) * (hi - lo)],
+                                                   r * segment + lo, r * segment + hi)
+                dst += views
+                src += pieces
+            if dst:
+                torch._foreach_copy_(dst, src)
 
     def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Per-parameter state, whole over DP: each rank contributes what it owns (zeros
@@ -247,7 +265,7 @@ class ZeroOptimizer(OptimizerSet):
                 continue
             opt = self.optimizers["muon" if tensor is self.params[s.param] else "adamw"]
             opt.state[tensor] = {
-                k: v.clone() if k == "step" else v.reshape(-1)[s.start : s.start + s.length].clone().view(tensor.shape)
+                k: install_state(k, v if k == "step" else v.reshape(-1)[s.start : s.start + s.length].view(tensor.shape), tensor)
                 for k, v in entry.items()
             }
 

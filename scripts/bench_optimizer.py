@@ -1,9 +1,15 @@
-"""Benchmark optim.muon.Muon against torch.optim.Muon on the hidden matrices of gpt_small.
+"""Benchmark optim.muon.Muon against torch.optim.Muon on the hidden matrices of a model.
 
     .venv/bin/python scripts/bench_optimizer.py [--repeats 15] [--warmup 3] [--threads N]
+    python3 scripts/bench_optimizer.py --model gpt_124m --dtypes bf16     # on a GPU
 
 gpt_small: 6 layers, d_model 384, 6 heads of 64, 6 KV heads, ffn_hidden 1024; per layer
 wq, wk, wv, wo [384, 384], w_gate, w_up [1024, 384], w_down [384, 1024] (42 matrices).
+gpt_124m: 12 layers, d_model 768, 12 heads of 64, ffn_hidden 2048 (84 matrices).
+
+On CUDA a third contender of ours runs with compile_updates (the elementwise work as fused
+compiled kernels, what trainer.compile=true uses there), and the step time is set against the
+Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
 
 Measured in one run, all timings interleaved (every round steps each contender once, in
 turn, so slow drifts hit them alike; rounds during which other processes used the CPU are
@@ -42,12 +48,15 @@ from scripts.bench_common import (  # noqa: E402
 
 ns_module = importlib.import_module("optim.newton_schulz")
 
-GPT_SMALL = dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024)
+MODELS = {
+    "gpt_small": dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024),
+    "gpt_124m": dict(n_layers=12, d_model=768, n_heads=12, head_dim=64, n_kv_heads=12, ffn_hidden=2048),
+}
 LR, WD = 3e-3, 0.1
 
 
-def gpt_small_shapes() -> list[tuple[str, tuple[int, int]]]:
-    c = GPT_SMALL
+def model_shapes(model: str) -> list[tuple[str, tuple[int, int]]]:
+    c = MODELS[model]
     d, kv = c["d_model"], c["n_kv_heads"] * c["head_dim"]
     per_layer = [
         ("wq", (c["n_heads"] * c["head_dim"], d)),
@@ -156,6 +165,7 @@ def shape_stacks(shapes) -> dict[tuple[int, int], int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt_small")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -169,14 +179,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     args.peak_size = args.peak_size or peak_size(device, on_cpu=2048)
-    shapes = gpt_small_shapes()
+    shapes = model_shapes(args.model)
     steps = 5
 
     print("## Machine\n")
     for k, v in machine_info().items():
         print(f"- {k}: {v}")
     n_params = sum(r * c for _, (r, c) in shapes)
-    print(f"\ngpt_small Muon matrices: {len(shapes)} ({n_params / 1e6:.2f}M parameters), "
+    print(f"\n{args.model} Muon matrices: {len(shapes)} ({n_params / 1e6:.2f}M parameters), "
           f"stacks {shape_stacks(shapes)}; lr {LR}, weight decay {WD}, "
           f"momentum 0.95 Nesterov, {steps} classic Newton-Schulz steps, adjust_lr match_rms_adamw.")
     print(f"Timings: {args.warmup} warmup + {args.repeats} interleaved repeats, median.\n")
@@ -190,6 +200,9 @@ def main() -> None:
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for label, ns in ((k, dtypes[k]) for k in args.dtypes):
         contenders[f"ours {label}"] = Muon(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
+        if device.type == "cuda":
+            contenders[f"ours {label} compiled"] = Muon(make_params(shapes, device), ns_dtype=ns,
+                                                        compile_updates=True, **kw_ours).step
         contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
@@ -197,7 +210,7 @@ def main() -> None:
     times = interleaved_times(contenders, args.warmup, args.repeats, device)
     t = {k: statistics.median(v) for k, v in times.items()}
 
-    print("## Optimizer step (42 matrices)\n")
+    print(f"## Optimizer step ({len(shapes)} matrices)\n")
     print("| NS dtype | torch.optim.Muon ms | ours ms | ours / torch | same, paired per round "
           "| ours, one stack per shape ms | ours, one matrix at a time ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -209,6 +222,11 @@ def main() -> None:
               f"| {t1 * 1e3:.1f} | {tp * 1e3:.1f} |")
     print("\n(ours: one stack per (rows, cols), processed in cache-sized runs on CPU; "
           "'one stack per shape' switches the runs off; 'one matrix at a time' is one Muon per matrix.)")
+    if device.type == "cuda":
+        print("\n| NS dtype | ours, compile_updates ms | ours eager ms |")
+        print("|---|---:|---:|")
+        for label in args.dtypes:
+            print(f"| {label} | {t[f'ours {label} compiled'] * 1e3:.2f} | {t[f'ours {label}'] * 1e3:.2f} |")
 
     # --- state bytes ---------------------------------------------------------------------
     muon_p, adamw_p = make_params(shapes, device), make_params(shapes, device)
@@ -227,7 +245,7 @@ def main() -> None:
     print(f"\n(AdamW's per-parameter `step` counters are {ab - ab_moments} bytes of 0-d tensors.)")
 
     # --- Newton-Schulz throughput ----------------------------------------------------------
-    print("\n## Newton-Schulz throughput (all 42 gpt_small matrices)\n")
+    print(f"\n## Newton-Schulz throughput (all {len(shapes)} {args.model} matrices)\n")
     stacks = shape_stacks(shapes)
     flops = sum(cnt * ns_flops(min(rc), max(rc), steps) for rc, cnt in stacks.items())
     g = torch.Generator().manual_seed(1)
@@ -262,6 +280,17 @@ def main() -> None:
             gf = flops / secs / 1e9
             pr = f"{paired_ratio(ns_times, f'ours {label}', f'torch {label}'):.3f}" if impl == "ours" else ""
             print(f"| {label} | {peak[label]:.0f} | {impl} | {secs * 1e3:.1f} | {gf:.0f} | {percent_of_peak(gf, peak[label])} | {pr} |")
+
+    print("\n## Optimizer step against its Newton-Schulz FLOP floor\n")
+    print("The floor: this step's Newton-Schulz FLOPs at the measured matmul peak.\n")
+    variants = [("ours", "")] + ([("ours, compile_updates", " compiled")] if device.type == "cuda" else [])
+    print("| NS dtype | floor ms | " + " | ".join(f"{name} ms | x floor" for name, _ in variants) + " |")
+    print("|---|---:|" + "---:|---:|" * len(variants))
+    for label in args.dtypes:
+        floor = flops / (peak[label] * 1e9)
+        cells = " | ".join(f"{t[f'ours {label}{suffix}'] * 1e3:.2f} | {t[f'ours {label}{suffix}'] / floor:.2f}"
+                           for _, suffix in variants)
+        print(f"| {label} | {floor * 1e3:.2f} | {cells} |")
     print(f"\nTiming rounds kept: {ROUND_STATS['kept']}; thrown away and redone because other "
           f"processes used > {FOREIGN_LIMIT:.0%} of a core meanwhile: {ROUND_STATS['redone']}.")
     with contextlib.suppress(OSError):

@@ -2,14 +2,22 @@
 
     python scripts/bench_train.py                     # gpt_small, moe_small; eager, compiled; fp32, bf16
     python scripts/bench_train.py --models gpt_small --modes eager --precisions fp32 --rounds 5
-    python scripts/bench_train.py --batch-size 8 --seq-len 512 optim=muon   # trailing: Hydra overrides
+    python scripts/bench_train.py --batch-size 8 --seq-len 512 --optims adamw muon
+    python scripts/bench_train.py --census ...        # + ops/kernels, host syncs, GPU busy, memory
+    make bench-gpu                                    # the GPU benchmark: gpt_124m and moe_1b
 
 Every configuration runs the real Trainer's train step (forward, backward, clip, optimizer;
 no logging statistics) on the embedded corpus. Beside each dense model runs
 scripts/reference_gpt.py's minimal model of the same shape, with the same batch, sequence
 length, precision and mode (eager or torch.compile), so `ours / reference` shows what the
 trainer costs on top of the bare model. Ours uses optim=adamw by default, as the reference
-does, so the ratio compares like with like (scripts/bench_optim_overhead.py covers Muon).
+does, so the ratio compares like with like; `--optims adamw muon` adds our Muon step beside it
+(its ratio then includes Muon's extra work).
+
+--census profiles 3 more steps of each configuration (eval/step_census.py) and adds: top-level
+aten ops per step (CPU) or device kernels per step (CUDA), host syncs per step, the fraction
+of the step the GPU was busy, and peak memory (parameters and optimizer state, plus the most
+one step allocated on top of them).
 
 MFU = tokens/s x model FLOPs per token (eval/flops.py) / the matmul peak of this machine,
 measured in this run: F.linear on square operands in the same precision, before and after
@@ -38,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from eval.flops import train_flops_per_token  # noqa: E402
+from eval.step_census import StepCensus, census, fmt  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     cpu_snapshot, foreign_cores, linear_peak, machine_info, peak_size, percent_of_peak,
 )
@@ -54,16 +63,23 @@ class Contender:
     impl: str  # "ours" or "reference"
     mode: str  # "eager" or "compiled"
     precision: str
+    optim: str  # ours: the optim config; the reference: always AdamW
     tokens_per_step: int = 0
     flops_per_token: int = 0
     step: Optional[Callable[[], object]] = None
+    resident: Optional[Callable[[], int]] = None  # bytes of parameters + optimizer state
     error: str = ""
     notes: str = ""
     times: list[float] = field(default_factory=list)
+    census: Optional[StepCensus] = None
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        return self.model, self.impl, self.mode, self.precision
+    def key(self) -> tuple[str, str, str, str, str]:
+        return self.model, self.impl, self.optim, self.mode, self.precision
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def one_line(err: BaseException) -> str:
@@ -91,7 +107,7 @@ def build_ours(c: Contender, args: argparse.Namespace, run_dir: Path) -> Trainer
         f"trainer.batch_size={args.batch_size}", f"trainer.seq_len={args.seq_len}",
         # The peak is measured by this script; a positive value spares each Trainer its own.
         "trainer.peak_tflops=1", "trainer.max_steps=100000", f"trainer.device={args.device}",
-        "logger.wandb.mode=disabled", f"optim={args.optim}", *args.overrides,
+        "logger.wandb.mode=disabled", f"optim={c.optim}", *args.overrides,
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = to_dataclass(compose("config", overrides))
@@ -127,7 +143,10 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--optim", default="adamw", help="our trainer's optimizer (the reference's is AdamW)")
+    ap.add_argument("--optims", nargs="+", default=["adamw"],
+                    help="our trainer's optimizers (the reference's is AdamW)")
+    ap.add_argument("--census", action="store_true",
+                    help="also count ops/kernels, host syncs, GPU busy time and peak memory per step")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
     ap.add_argument("--warmup", type=int, default=2, help="untimed interleaved rounds (compilation)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
@@ -152,26 +171,30 @@ def main() -> None:
     for model in args.models:
         for mode in args.modes:
             for precision in args.precisions:
-                contenders.append(Contender(model, "ours", mode, precision))
-                contenders.append(Contender(model, "reference", mode, precision))
+                contenders.extend(Contender(model, "ours", mode, precision, optim) for optim in args.optims)
+                contenders.append(Contender(model, "reference", mode, precision, "adamw"))
 
     with tempfile.TemporaryDirectory() as tmp:
-        built: dict[tuple[str, str, str, str], Trainer] = {}
+        built: dict[tuple[str, str, str], Trainer] = {}
         for c in contenders:
             try:
                 if c.impl == "ours":
                     trainer = build_ours(c, args, Path(tmp) / "_".join(c.key))
-                    built[c.key] = trainer
+                    built[c.model, c.mode, c.precision] = trainer
                     c.step = lambda t=trainer: t.train_step(measure=False)
+                    c.resident = lambda t=trainer: tensor_bytes(t.model.parameters()) + t.optimizer.state_bytes()
                     c.tokens_per_step = trainer.tokens_per_step
                     c.flops_per_token = trainer.flops_per_token
                 else:
-                    ours = built.get((c.model, "ours", c.mode, c.precision))
+                    ours = built.get((c.model, c.mode, c.precision))
                     if ours is None or args.no_reference or ours.model_cfg.n_experts > 0:
                         c.error = "-"  # the reference is a dense model only
                         continue
                     ref = build_reference(ours, c, args)
                     c.step = ref.step
+                    c.resident = lambda r=ref: tensor_bytes(r.model.parameters()) + tensor_bytes(
+                        v for state in r.opt.state.values() for v in state.values() if torch.is_tensor(v)
+                    )
                     c.tokens_per_step = ref.tokens_per_step
                     c.flops_per_token = train_flops_per_token(ours.model_cfg, args.seq_len)
             except Exception as err:  # report it in the table; the other rows still run
@@ -215,10 +238,16 @@ def main() -> None:
             if load is not None:
                 foreign.append(load)
             print(f"  round {r + 1}/{args.rounds}: {t_round:.1f} s", file=sys.stderr, flush=True)
+        if args.census:
+            for c in live:
+                try:
+                    c.census = census(c.step, torch.device(args.device))
+                except Exception as err:  # the table still prints; this row says why it has no census
+                    c.notes = (c.notes + "; " if c.notes else "") + "census failed: " + one_line(err)
     peaks_after = measure_peaks(args.precisions, args)
     peaks = {p: max(peaks_before[p], peaks_after[p]) for p in args.precisions}
 
-    print(f"\nBatch {args.batch_size} x {args.seq_len} tokens per step; ours: optim={args.optim}"
+    print(f"\nBatch {args.batch_size} x {args.seq_len} tokens per step; ours: optim={'/'.join(args.optims)}"
           f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; reference: AdamW. "
           f"{args.warmup} warm-up + {args.rounds} interleaved rounds x {args.steps} step(s), median.\n")
     print(f"| precision | F.linear {args.peak_size}^2 GFLOP/s, before | after | peak used |")
@@ -226,26 +255,38 @@ def main() -> None:
     for p in args.precisions:
         print(f"| {p} | {peaks_before[p]:.1f} | {peaks_after[p]:.1f} | {peaks[p]:.1f} |")
 
-    print("\n| model | impl | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU "
-          "| ours / reference | notes |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    rate: dict[tuple[str, str, str, str], float] = {}
+    work = "kernels/step" if args.device == "cuda" else "aten ops/step"
+    census_head = f" {work} | host syncs/step | GPU busy | peak GiB |" if args.census else ""
+    print("\n| model | impl | optim | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU "
+          f"| ours / reference |{census_head} notes |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+          + (" ---: | ---: | ---: | ---: |" if args.census else "") + " --- |")
+    rate: dict[tuple[str, str, str, str, str], float] = {}
     refused = False
     for c in contenders:
         if c.times:
             rate[c.key] = c.tokens_per_step / statistics.median(c.times)
     for c in contenders:
-        cells = [c.model, c.impl, c.mode, c.precision]
+        cells = [c.model, c.impl, c.optim, c.mode, c.precision]
         if c.key not in rate:
             if c.error != "-":
-                print("| " + " | ".join(cells) + f" | | | | | | | {c.error} |")
+                print("| " + " | ".join(cells) + " | | | | | | |" + (" | | | |" if args.census else "") + f" {c.error} |")
             continue
         tps = rate[c.key]
         gflops = tps * c.flops_per_token / 1e9
-        ref = rate.get((c.model, "reference", c.mode, c.precision))
+        ref = rate.get((c.model, "reference", "adamw", c.mode, c.precision))
         ratio = f"{tps / ref:.2f}" if c.impl == "ours" and ref else ""
+        extra = ""
+        if args.census and c.census is None:
+            extra = " | | | |"
+        elif args.census:
+            n = c.census
+            work_count = n.kernels if args.device == "cuda" else n.aten_ops
+            busy = f"{100 * n.busy_fraction:.0f}%" if n.busy_fraction is not None else "-"
+            peak = None if n.transient_peak_bytes is None else (c.resident() + n.transient_peak_bytes) / 2**30
+            extra = f" {fmt(work_count)} | {fmt(n.host_syncs, '.1f')} | {busy} | {fmt(peak, '.2f')} |"
         print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | {statistics.median(c.times):.3f} "
-              f"| {tps:,.0f} | {gflops:.1f} | {percent_of_peak(gflops, peaks[c.precision])} | {ratio} | {c.notes} |")
+              f"| {tps:,.0f} | {gflops:.1f} | {percent_of_peak(gflops, peaks[c.precision])} | {ratio} |{extra} {c.notes} |")
         refused |= gflops > peaks[c.precision]
     if refused:
         print(f"\nMFU above 100% is not printed: training outran the measured peak, so the peak is "

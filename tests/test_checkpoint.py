@@ -134,3 +134,17 @@ def test_restored_state_goes_to_the_device_of_the_tensor_it_replaces():
     like = torch.empty(4, 3, device="meta", dtype=torch.bfloat16)
     local = checkpoint.to_local(torch.ones(4, 3), like, None, None)
     assert local.device.type == "meta" and local.dtype == torch.bfloat16
+
+
+def test_optimizer_state_is_installed_on_its_parameters_device():
+    # Checkpoints load onto the CPU. Fused AdamW reads each step count on the parameters'
+    # device, as fp32 (where torch's own load_state_dict puts it); "meta" stands in for a GPU.
+    from optim.optimizer_set import install_state
+
+    param = torch.empty(4, 3, device="meta")
+    step = install_state("step", torch.tensor(7), param)
+    moment = install_state("exp_avg", torch.zeros(4, 3, dtype=torch.float64), param)
+    assert (step.device, step.dtype) == (param.device, torch.float32)
+    assert (moment.device, moment.dtype) == (param.device, torch.float64)
+    source = torch.ones(2)
+    assert install_state("momentum_buffer", source, torch.empty(2)).data_ptr() != source.data_ptr()

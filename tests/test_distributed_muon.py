@@ -162,3 +162,43 @@ def test_plan_keeps_matrices_whole_and_balances_newton_schulz_cost():
         assert max(costs) <= 1.15 * sum(costs) / dp
         assert plan.padding / plan.total < 0.01
         assert build_plan(specs, dp).ranks == plan.ranks  # deterministic
+
+
+def _skip_worker(rank: int, world: int, tp: int, name: str, tp_mode: str) -> bool:
+    """Two good steps, then one whose gradients hold a NaN on one rank only: after DP
+    averaging every rank's norm is NaN, the on-device skip leaves every parameter and every
+    piece of optimizer state exactly as it was, and a good step then moves them again."""
+    mesh = build_mesh(tp)
+    torch.manual_seed(0)
+    model = parallelize_tp(GPT(CFG), mesh.tp_group)
+    opt = build_optimizer(model, optim_cfg(name, tp_mode=tp_mode), CFG, mesh)
+    data = batches(4, 4)
+    per_rank = data[0].shape[0] // mesh.dp
+
+    def step(rows, poison: bool) -> None:
+        mine = rows[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
+        model(mine[:, :-1], mine[:, 1:]).backward()
+        if poison and rank == world - 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        norm = opt.prepare_grads(1.0)
+        opt.step((~torch.isfinite(norm)).float())
+        opt.zero_grad()
+
+    step(data[0], False)
+    step(data[1], False)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [t.clone() for t in opt.state_tensors()]
+    step(data[2], True)
+    unchanged = all(torch.equal(a, p) for a, p in zip(params, model.parameters())) and all(
+        torch.equal(a, b) for a, b in zip(state, opt.state_tensors())
+    )
+    step(data[3], False)
+    moved = not all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    return unchanged and moved
+
+
+@pytest.mark.parametrize("dp, tp, name, tp_mode", [
+    (2, 1, "muon", "gather"), (2, 1, "adamw", "gather"), (1, 2, "muon", "gather"), (1, 2, "muon", "gram"),
+])
+def test_nonfinite_step_is_skipped_on_the_device_by_every_rank(dp, tp, name, tp_mode):
+    assert all(run_distributed(_skip_worker, dp * tp, tp, name, tp_mode))

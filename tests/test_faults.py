@@ -51,6 +51,45 @@ def test_nonfinite_stop_exits_with_a_clear_message_and_keeps_the_last_checkpoint
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004.pt"
 
 
+@pytest.mark.parametrize("optim", ["muon", "adamw"])
+def test_nonfinite_skip_between_logging_steps_happens_on_the_device(tmp_path, optim):
+    """No logging step, so no host sync: the optimizers and the expert-bias update skip the
+    NaN step on the device, leaving every parameter, optimizer state and bias as it was, and
+    the host counts the skip at its next sync point."""
+    trainer = make_trainer(tmp_path, ["model=moe_tiny", f"optim={optim}", "trainer.batch_size=2",
+                                      "trainer.nonfinite=skip", "logger.interval=1000"])
+    poison_step(trainer, 3)
+    trainer.train_step(measure=False)
+    trainer.train_step(measure=False)
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    state = [t.clone() for t in trainer.optimizer.state_tensors()]
+    biases = [b.clone() for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")]
+    assert biases and any(b.abs().sum() > 0 for b in biases)  # two steps moved them
+    stats = trainer.train_step(measure=False)  # step 3: NaN
+    assert trainer.step == 3 and float(stats["train/skipped_steps"]) == 1.0
+    assert all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(state, trainer.optimizer.state_tensors()))
+    after = [b for n, b in trainer.model.named_buffers() if n.endswith("expert_bias")]
+    assert all(torch.equal(a, b) for a, b in zip(biases, after))
+    assert trainer.skipped_steps == 0  # the host has not looked yet
+    trainer.train_step(measure=False)
+    stats = trainer.train_step(measure=True)  # a logging step collects the count
+    assert trainer.skipped_steps == 1 and stats["train/skipped_steps"] == 1.0
+    assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_nonfinite_stop_between_logging_steps_stops_at_the_next_sync_point(tmp_path):
+    # Step 6 is skipped on the device; the run stops at the final step's sync point,
+    # naming step 6, before any checkpoint after it is written.
+    trainer = make_trainer(tmp_path, ["trainer.batch_size=2", "trainer.nonfinite=stop", "logger.interval=1000"])
+    poison_step(trainer, 6)
+    with pytest.raises(NonFiniteLoss, match="step 6"):
+        trainer.train()
+    assert trainer.step == 7  # stopped inside step 8 (the last, a logging step), before its update
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004.pt"
+
+
 def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
     args = [a for a in COMMON if not a.startswith(("trainer.max_steps", "checkpoint.interval"))]
     return subprocess.Popen(

@@ -198,3 +198,57 @@ def test_hf_export_of_a_checkpoint_trained_on_cuda_computes_our_logits(tmp_path)
     fresh = GPT(cfg).eval()
     with torch.no_grad():
         assert (fresh(idx) - hf(idx).logits).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
+@pytest.mark.parametrize("optim", ["muon", "adamw"])
+def test_compiled_non_logging_steps_never_make_the_host_wait(tmp_path, model, optim):
+    """No cudaStreamSynchronize / cudaEventSynchronize / blocking cudaMemcpy inside a step
+    that does not log: the host keeps queueing work while the GPU runs (the non-finite check
+    is decided on the device, batches come from pinned memory)."""
+    from eval.step_census import census
+    from tests.test_checkpoint import make_trainer
+
+    trainer = make_trainer(tmp_path, [
+        f"model={model}", f"optim={optim}", "trainer.device=cuda", "trainer.precision=bf16",
+        "optim.muon.ns_dtype=bf16", "trainer.compile=true", "trainer.batch_size=8", "logger.interval=1000",
+    ])
+    try:
+        step = lambda: trainer.train_step(measure=False)  # noqa: E731
+        for _ in range(3):  # compilation, optimizer state
+            step()
+        result = census(step, trainer.device, steps=3)
+    finally:
+        torch._dynamo.reset()
+    # MoE without torch._grouped_mm (bf16 on compute capability 9.0+) loops over experts and
+    # reads their boundaries to the host: one sync per MoE layer, none anywhere else.
+    from model.moe import moe_layers
+
+    grouped = torch.cuda.get_device_capability() >= (9, 0) and hasattr(torch, "_grouped_mm")
+    expected = 0 if grouped else len(moe_layers(trainer.model))
+    assert result.host_syncs == expected, result
+    assert result.kernels and result.kernels > 0
+
+
+def test_muon_compiled_updates_on_cuda_equal_the_eager_ones():
+    from optim.muon import Muon
+    from tests.test_muon import _step_with
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(768, 768), (2048, 768), (768, 2048), (8, 512, 1024)]
+    fused = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen) * 0.02) for s in shapes]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in fused]
+    # fp32 Newton-Schulz: in bf16 a last-bit difference in the momentum could flip a rounding.
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype="fp32")
+    opt_fused, opt_eager = Muon(fused, compile_updates=True, **kw), Muon(eager, **kw)
+    try:
+        for found_inf in (None, torch.ones((), device="cuda"), torch.zeros((), device="cuda")):
+            grads = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
+            if found_inf is not None and found_inf.item():
+                grads[0][0, 0] = float("nan")
+            for opt, params in ((opt_fused, fused), (opt_eager, eager)):
+                _step_with(opt, params, grads, found_inf)
+            for a, b in zip(fused, eager):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()

@@ -67,6 +67,26 @@ def test_preemption_flag_is_reduced_on_the_training_device(monkeypatch):
     assert seen["device"] == torch.device("meta")
 
 
+def test_preemption_flag_goes_over_the_host_group_where_there_is_one(monkeypatch):
+    # With NCCL as the default backend the mesh holds a gloo group over all ranks: the flag
+    # is a CPU tensor reduced there, so reading it never waits for the GPU's queue.
+    seen = {}
+
+    def all_reduce(tensor, op=None, group=None):
+        seen["device"], seen["group"] = tensor.device, group
+        raise _Seen
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    host_group = object()
+    flag = PreemptionFlag(torch.device("meta"))
+    try:
+        with pytest.raises(_Seen):
+            flag.raised(Mesh(rank=0, world_size=2, host_group=host_group))
+    finally:
+        flag.restore()
+    assert seen == {"device": torch.device("cpu"), "group": host_group}
+
+
 def logged_tokens(run_dir: Path) -> dict[int, int]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["tokens"] for r in records}

@@ -45,14 +45,18 @@ def reference_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("grouped", [True, False])
-def test_moe_outputs_and_gradients_equal_the_slow_reference(score_func, grouped, monkeypatch):
+@pytest.mark.parametrize("bias", [
+    [0.3, -0.2, 0.0, 0.1],  # selection must use it
+    [0.0, 50.0, 0.0, 50.0],  # experts 0 and 2 get no token: empty groups between full ones
+], ids=["mixed", "empty-experts"])
+def test_moe_outputs_and_gradients_equal_the_slow_reference(score_func, grouped, bias, monkeypatch):
     if not grouped:
         monkeypatch.setattr(moe_module, "grouped_mm_usable", lambda x, w: False)
     torch.manual_seed(0)
     layer = MoE(replace(CFG, score_func=score_func))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    layer.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # selection must use it
+    layer.expert_bias.copy_(torch.tensor(bias))
     x = torch.randn(2, 7, 32)
     fast = layer(x)
     fast_grads = torch.autograd.grad(fast.pow(2).sum(), list(layer.parameters()))

@@ -284,3 +284,69 @@ def test_invalid_shapes_and_split_rows():
         Muon(_params([(8,)]))
     with pytest.raises(ValueError, match="2-D"):
         Muon(_params([(2, 2, 4, 4)]))
+
+
+def _step_with(opt, params, grads, found_inf):
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    if found_inf is not None:
+        opt.found_inf = found_inf
+    opt.step()
+    opt.__dict__.pop("found_inf", None)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_found_inf_skips_on_the_device_and_otherwise_changes_nothing(nesterov):
+    """found_inf (as OptimizerSet.step hands it over) = 1: parameters and momentum are left
+    exactly as they were, NaN gradients included; = 0: the same step as without it."""
+    shapes = [(48, 80), (80, 48), (3, 16, 24), (64, 32)]
+    groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "split_rows": 16, "weight_decay": 0.0}]  # noqa: E731
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype="fp32")
+    gated, plain = _params(shapes), _params(shapes)
+    opt_gated, opt_plain = Muon(groups(gated), **kw), Muon(groups(plain), **kw)
+    first, second = _grads(gated, steps=2)
+    _step_with(opt_gated, gated, first, torch.zeros(()))
+    _step_with(opt_plain, plain, first, None)
+    for a, b in zip(gated, plain):
+        # The gated weight decay factor is computed in fp32, the plain one in double.
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+    before = [p.detach().clone() for p in gated]
+    momentum = [opt_gated.state[p]["momentum_buffer"].clone() for p in gated]
+    poisoned = [g.clone() for g in second]
+    poisoned[0][3, 5], poisoned[2][1, 0, 0] = float("nan"), float("inf")
+    _step_with(opt_gated, gated, poisoned, torch.ones(()))
+    for p, b, m in zip(gated, before, momentum):
+        assert torch.equal(p, b)
+        assert torch.equal(opt_gated.state[p]["momentum_buffer"], m)
+
+    # The skipped step left no trace: the next step equals the plain optimizer's.
+    _step_with(opt_gated, gated, second, torch.zeros(()))
+    _step_with(opt_plain, plain, second, None)
+    for a, b in zip(gated, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_compiled_updates_equal_the_eager_ones(nesterov):
+    """compile_updates runs the elementwise work as fused compiled kernels (for GPUs); on the
+    CPU's compiler here it must compute what the eager for-each path does, gate included."""
+    shapes = [(48, 80), (80, 48), (3, 16, 24), (48, 80)]
+    groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}]  # noqa: E731
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype="fp32")
+    fused, eager = _params(shapes), _params(shapes)
+    opt_fused = Muon(groups(fused), compile_updates=True, **kw)
+    opt_eager = Muon(groups(eager), **kw)
+    grads = _grads(fused, steps=3)
+    grads[1][2][0, 1, 1] = float("nan")
+    for step_grads, found_inf in zip(grads, [None, torch.ones(()), torch.zeros(())]):
+        before = [p.detach().clone() for p in fused]
+        _step_with(opt_fused, fused, step_grads, found_inf)
+        _step_with(opt_eager, eager, step_grads, found_inf)
+        for a, b in zip(fused, eager):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        if found_inf is not None and found_inf.item():
+            assert all(torch.equal(a, b) for a, b in zip(fused, before))
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(opt_fused.state[a]["momentum_buffer"], opt_eager.state[b]["momentum_buffer"],
+                                   rtol=1e-6, atol=1e-7)

@@ -249,17 +249,23 @@ def test_muon_scale():
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_update(nesterov):
     g = torch.Generator().manual_seed(5)
-    buf, grad = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
-    expected_buf = 0.9 * buf + grad
-    expected = grad + 0.9 * expected_buf if nesterov else expected_buf
-    buf_in = buf.clone()
-    out = momentum_update(buf_in, grad, 0.9, nesterov)
-    torch.testing.assert_close(buf_in, expected_buf)
-    torch.testing.assert_close(out, expected)
-    # Into a strided bf16 destination (as the optimizer's stack does for tall matrices).
-    buf_in = buf.clone()
-    dst = torch.empty(5, 6, dtype=torch.bfloat16)
-    res = momentum_update(buf_in, grad, 0.9, nesterov, out=dst.mT)
-    assert res.data_ptr() == dst.data_ptr() and res.data_ptr() != buf_in.data_ptr()
-    torch.testing.assert_close(dst.mT.float(), expected, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(buf_in, expected_buf)
+    shapes = [(6, 5), (3, 7), (2, 4, 3)]
+    bufs = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    expected_bufs = [0.9 * b + gr for b, gr in zip(bufs, grads)]
+    expected = [gr + 0.9 * b for b, gr in zip(expected_bufs, grads)] if nesterov else expected_bufs
+    bufs_in = [b.clone() for b in bufs]
+    outs = [torch.empty(s) for s in shapes]
+    momentum_update(bufs_in, grads, outs, 0.9, nesterov)
+    for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
+        torch.testing.assert_close(b, eb)
+        torch.testing.assert_close(o, e)
+        assert o.data_ptr() != b.data_ptr()
+    # Into strided bf16 destinations (views into one stack, one of them transposed).
+    bufs_in = [b.clone() for b in bufs]
+    stack = torch.empty(30 + 21 + 24, dtype=torch.bfloat16)
+    outs = [stack[:30].view(5, 6).mT, stack[30:51].view(3, 7), stack[51:].view(2, 4, 3)]
+    momentum_update(bufs_in, grads, outs, 0.9, nesterov)
+    for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
+        torch.testing.assert_close(o.float(), e, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(b, eb)

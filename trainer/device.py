@@ -83,6 +83,16 @@ def enable_fast_math(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, without making the host wait: CUDA copies from pageable
+    memory only after the stream has drained (a host sync per batch), from page-locked
+    memory asynchronously. The pinned block is returned to torch's pinned-memory cache only
+    once the copy has completed."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def maybe_compile(module: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     return torch.compile(module) if enabled else module
 

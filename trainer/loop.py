@@ -75,7 +75,8 @@ class PreemptionFlag:
 
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.flag = False
-        # The flag travels on the training device: NCCL only reduces CUDA tensors.
+        # Without a host group the flag travels on the training device: NCCL only reduces
+        # CUDA tensors.
         self.device = device
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -88,9 +89,12 @@ class PreemptionFlag:
     def raised(self, mesh: Mesh) -> bool:
         if mesh.world_size == 1:
             return self.flag
-        flag = torch.tensor([float(self.flag)], device=self.device)
+        # Over the host group where there is one: reading a flag reduced on the GPU would make
+        # the host wait for the device's queue to drain, every step.
+        device = self.device if mesh.host_group is None else torch.device("cpu")
+        flag = torch.tensor([float(self.flag)], device=device)
         with region("comm/world/all_reduce"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.host_group)
         return bool(flag.item())
 
     def restore(self) -> None:
@@ -124,7 +128,9 @@ class Trainer:
         self.model_cfg = self.model.cfg
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.forward = dev.maybe_compile(self.model, t.compile)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh)
+        # Compiling Muon's elementwise work pays where memory passes are the cost: on GPUs.
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh,
+                                         compile_updates=t.compile and self.device.type == "cuda")
         self.health = HealthStats(self.model, self.mesh.tp_group)
 
         self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
@@ -139,6 +145,9 @@ class Trainer:
         # step, so the count stays right across a resume with a different global batch.
         self.tokens = 0
         self.skipped_steps = 0
+        # Steps skipped on the device since the host last looked, and the first of them (0: none).
+        self.pending_skips = torch.zeros((), device=self.device)
+        self.first_pending_skip = torch.zeros((), dtype=torch.long, device=self.device)
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
@@ -201,7 +210,7 @@ class Trainer:
         with region("forward_backward"):
             for micro in range(t.grad_accum):
                 x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                x, y = dev.to_device(x, self.device), dev.to_device(y, self.device)
                 with self.autocast():
                     loss = self.forward(x, y)
                 # Every micro-batch holds the same number of tokens, so the mean of the
@@ -212,19 +221,28 @@ class Trainer:
 
         with region("grad_sync"):
             grad_norm = self.optimizer.prepare_grads(self.cfg.optim.grad_clip)
-        # The global gradient norm is the same on every rank, so all ranks agree here. This
-        # is one host sync per step, the price of never applying a NaN/inf update.
-        if not torch.isfinite(grad_norm).item():
-            return self._nonfinite_step(loss_sum / t.grad_accum)
+        # The global gradient norm is the same on every rank, so all ranks agree on whether
+        # this step is finite. A logging step reads it here (it syncs anyway); any other step
+        # hands it to the optimizers, which skip a non-finite step on the device, and the
+        # host learns of it at its next sync point (_collect_skips): no host sync per step.
+        found_inf = (~torch.isfinite(grad_norm)).float()
         stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
         if measure:
+            if self._collect_skips():
+                stats["train/skipped_steps"] = float(self.skipped_steps)
+            if found_inf.item():
+                return self._nonfinite_step(loss_sum / t.grad_accum)
+            found_inf = None  # known finite: the optimizers need no gate
             before = self.health.snapshot()
             dev.synchronize(self.device)
             t0 = time.perf_counter()
+        else:
+            self._note_skip(found_inf)
+            stats["train/skipped_steps"] = self.pending_skips + self.skipped_steps
         with region("optimizer"):
-            self.optimizer.step()
+            self.optimizer.step(found_inf)
             self.optimizer.zero_grad()
-        moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum)
+        moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum, found_inf)
         if measure:
             dev.synchronize(self.device)
             stats["perf/optim_step_s"] = time.perf_counter() - t0
@@ -253,6 +271,34 @@ class Trainer:
         reset_routing_stats(self.model)
         self.model.output_sq_sum.zero_()
 
+    def _note_skip(self, found_inf: torch.Tensor) -> None:
+        """Count a possibly skipped step on the device: no host sync."""
+        self.pending_skips += found_inf
+        first = self.first_pending_skip
+        self.first_pending_skip = torch.where((first == 0) & (found_inf != 0), self.step + 1, first)
+
+    def _collect_skips(self) -> int:
+        """Read the steps the device skipped since the last call (a host sync: called on
+        logging steps, before a checkpoint and at the end of training). Under
+        trainer.nonfinite=stop a skip stops the run here, naming the first skipped step; the
+        skipped steps changed nothing, so no checkpoint holds a non-finite update. Returns the
+        number of steps skipped since the last call."""
+        skipped = int(self.pending_skips.item())
+        if not skipped:
+            return 0
+        first = int(self.first_pending_skip.item())
+        self.pending_skips.zero_()
+        self.first_pending_skip.zero_()
+        self.skipped_steps += skipped
+        if self.cfg.trainer.nonfinite == "stop":
+            raise NonFiniteLoss(
+                f"non-finite loss/gradients at step {first}; stopping with trainer.nonfinite=stop. "
+                f"The last good checkpoint is in {self.checkpoint_dir}"
+            )
+        log.warning("non-finite gradients: %d step(s) skipped since step %d (%d so far)",
+                    skipped, first, self.skipped_steps)
+        return skipped
+
     def _nonfinite_step(self, loss: torch.Tensor) -> dict[str, torch.Tensor | float]:
         self.optimizer.zero_grad()
         self.model.track_output_rms = False
@@ -268,6 +314,7 @@ class Trainer:
         return {"train/loss": loss, "train/skipped_steps": float(self.skipped_steps)}
 
     def save_checkpoint(self) -> None:
+        self._collect_skips()
         with region("checkpoint"):
             checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config())
 

@@ -26,6 +26,9 @@ class Mesh:
     tp: int = 1
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
+    # All ranks over gloo, for agreeing on host-side flags (preemption) without making the
+    # host wait for the GPU; None where the default group already runs on the host (gloo).
+    host_group: Optional[dist.ProcessGroup] = None
 
     @property
     def dp(self) -> int:
@@ -156,11 +159,12 @@ def init_mesh(tp: int, device: torch.device, backend: str = "auto", timeout_s: f
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return build_mesh(tp)
+    return build_mesh(tp, datetime.timedelta(seconds=timeout_s))
 
 
-def build_mesh(tp: int) -> Mesh:
-    """Create the groups on an initialised default group. Every rank must call this."""
+def build_mesh(tp: int, timeout: Optional[datetime.timedelta] = None) -> Mesh:
+    """Create the groups on an initialised default group. Every rank must call this.
+    `timeout` bounds the host group's collectives like the default group's."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_mesh_shape(world_size, tp)
     dp = world_size // tp
@@ -178,7 +182,12 @@ def build_mesh(tp: int) -> Mesh:
             dp_group = group
     label_group(tp_group, "tp")
     label_group(dp_group, "dp")
-    return Mesh(rank=rank, world_size=world_size, tp=tp, tp_group=tp_group, dp_group=dp_group)
+    host_group = None
+    if dist.get_backend() != "gloo":
+        host_group = dist.new_group(backend="gloo", timeout=timeout)
+        label_group(host_group, "host")
+    return Mesh(rank=rank, world_size=world_size, tp=tp, tp_group=tp_group, dp_group=dp_group,
+                host_group=host_group)
 
 
 def destroy_mesh() -> None:
@@ -196,7 +205,7 @@ def release_subgroups(mesh: Mesh) -> None:
     if not dist.is_initialized():
         return
     released: list[dist.ProcessGroup] = []
-    for group in (mesh.tp_group, mesh.dp_group):
+    for group in (mesh.tp_group, mesh.dp_group, mesh.host_group):
         if group is None or group is dist.GroupMember.WORLD or any(group is g for g in released):
             continue
         dist.destroy_process_group(group)

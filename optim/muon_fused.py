@@ -1,0 +1,60 @@
+"""Muon's elementwise work compiled into fused kernels, for GPUs (optim.muon.compile_updates).
+
+Between the Newton-Schulz GEMMs, a Muon step streams every matrix through memory: momentum,
+the Nesterov input, weight decay, the update. As for-each ops (optim/muon.py's eager path)
+that is about 17 passes over a matrix's fp32 size per step; compiled, one kernel reads the
+gradient and buffer and writes the buffer and the Newton-Schulz input (4 passes), and one
+reads the parameter and update and writes the parameter (3). On a 1B-parameter MoE those
+passes, not the matmuls, dominate the optimizer step.
+
+Both functions take `keep` (0-d, 1.0 or 0.0: a step skipped on the device, see
+optim/muon.py's _Gate) and are exact drop-ins for the eager path's arithmetic. Each distinct
+list of shapes compiles once (a Muon stack, or a stack's share of a ZeRO bucket); the scalars
+that change every step (lr through `decay` and `alpha`) are tensors, so no step recompiles.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+# Compiled variants per code object: one per distinct list layout in a step (a stack, or its
+# share of a ZeRO bucket, per param group). Dynamo's default of 8 would send larger models
+# back to eager; past this limit the calls still run, eagerly (no fullgraph: that would be an
+# error instead).
+RECOMPILE_LIMIT = 64
+
+
+def momentum_step(
+    bufs: list[Tensor], grads: list[Tensor], outs: list[Tensor], momentum: float, nesterov: bool, keep: Tensor
+) -> None:
+    """buf <- momentum * buf + grad; out <- the Newton-Schulz input. keep == 0: the gradient
+    counts as zero and the buffer keeps its value (factor 1), so NaNs never reach it."""
+    kept = keep != 0
+    factor = torch.where(kept, momentum, 1.0)
+    for buf, grad, out in zip(bufs, grads, outs):
+        g = torch.where(kept, grad, 0.0)
+        new = buf * factor + g
+        buf.copy_(new)
+        out.copy_(g + momentum * new if nesterov else new)
+
+
+def update_step(params: list[Tensor], updates: list[Tensor], decay: Tensor, alpha: Tensor) -> None:
+    """p <- p * decay + alpha * u, for 0-d tensors decay (1 - lr * wd, or 1 on a skipped
+    step) and alpha (-lr * scale)."""
+    for p, u in zip(params, updates):
+        p.copy_(p * decay + u * alpha)
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """`fn` under torch.compile (built on first use, shapes static)."""
+    if fn not in _COMPILED:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
