@@ -339,9 +339,16 @@ def test_compiled_updates_equal_the_eager_ones(nesterov):
     opt_eager = Muon(groups(eager), **kw)
     grads = _grads(fused, steps=3)
     grads[1][2][0, 1, 1] = float("nan")
-    for step_grads, found_inf in zip(grads, [None, torch.ones(()), torch.zeros(())]):
+    from torch._dynamo.utils import counters
+
+    for i, (step_grads, found_inf) in enumerate(zip(grads, [None, torch.ones(()), torch.zeros(())])):
+        for group in opt_fused.param_groups + opt_eager.param_groups:
+            group["lr"] = 0.02 / (1 + i)  # a schedule: the lr must not be baked into a kernel
         before = [p.detach().clone() for p in fused]
+        compiled_before = counters["stats"]["unique_graphs"]
         _step_with(opt_fused, fused, step_grads, found_inf)
+        if i > 0:  # every step after the first reuses its compiled kernels
+            assert counters["stats"]["unique_graphs"] == compiled_before
         _step_with(opt_eager, eager, step_grads, found_inf)
         for a, b in zip(fused, eager):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
