@@ -140,28 +140,27 @@ class ZeroOptimizer(OptimizerSet):
         """The slices overlapping flat-buffer offsets [lo, hi)."""
         return [s for s in self.slices if s.offset < hi and s.offset + s.length > lo]
 
+    def _matching_views(
+        self, tensors: list[torch.Tensor], flat: torch.Tensor, lo: int, hi: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The flat buffer's elements [lo, hi) as matching pieces of `tensors` (one per
+        parameter) and of `flat` (which holds elements lo..hi), for one for-each copy either
+        way instead of one copy per parameter."""
+        params, flats = [], []
+        for s in self._slices_in(lo, hi):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
+            params.append(tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset])
+            flats.append(flat[a - lo : b - lo])
+        return params, flats
+
     def _pack(self, tensors: list[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         """out (fp32, hi - lo elements) <- the flat buffer's elements [lo, hi) taken from
         `tensors` (one per parameter), zeros in the padding."""
         out.zero_()
-        dst, src = [], []
-        for s in self._slices_in(lo, hi):
-            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
-            src.append(tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset])
-            dst.append(out[a - lo : b - lo])
+        src, dst = self._matching_views(tensors, out, lo, hi)
         if dst:
-            torch._foreach_copy_(dst, src)  # one multi-tensor copy, not one per parameter
+            torch._foreach_copy_(dst, src)
         return out
-
-    def _unpack_views(self, flat: torch.Tensor, lo: int, hi: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(destinations, sources): the parameters' elements at flat-buffer offsets [lo, hi)
-        and the pieces of `flat` that hold them, for one for-each copy."""
-        dst, src = [], []
-        for s in self._slices_in(lo, hi):
-            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
-            dst.append(self.params[s.param].data.view(-1)[s.start + a - s.offset : s.start + b - s.offset])
-            src.append(flat[a - lo : b - lo])
-        return dst, src
 
     @torch.no_grad()
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
@@ -210,13 +209,15 @@ class ZeroOptimizer(OptimizerSet):
                     muon.step(only=matrices)
                 self._pack(self.params, self.segment_start + lo, self.segment_start + hi, piece)
                 pending.append((lo, hi, gathered, all_gather_async(gathered, piece, self.mesh.dp_group)))
+        # view, not reshape: a parameter that could only be copied would silently keep its values.
+        targets = [p.data.view(-1) for p in self.params]
         for lo, hi, gathered, handle in pending:
             handle.wait()
             dst, src = [], []
             for r in range(dp):
-                views, pieces = self._unpack_views(gathered[r * (hi - lo) : (r + 1) * (hi - lo)],
-                                                   r * segment + lo, r * segment + hi)
-                dst += views
+                params, pieces = self._matching_views(targets, gathered[r * (hi - lo) : (r + 1) * (hi - lo)],
+                                              r * segment + lo, r * segment + hi)
+                dst += params
                 src += pieces
             if dst:
                 torch._foreach_copy_(dst, src)

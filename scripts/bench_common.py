@@ -54,6 +54,11 @@ def machine_info() -> dict[str, str]:
     return info
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes held by `tensors` (parameters, optimizer state)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 # ----------------------------------------------------------------------------- timing
 
 

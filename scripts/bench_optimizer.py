@@ -43,7 +43,7 @@ from optim.muon import Muon  # noqa: E402
 from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio, peak_size,
-    percent_of_peak,
+    percent_of_peak, tensor_bytes,
 )
 
 ns_module = importlib.import_module("optim.newton_schulz")
@@ -131,12 +131,8 @@ def make_params(shapes, device, seed=0):
 
 
 def state_bytes(opt: torch.optim.Optimizer, min_numel: int = 0) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for st in opt.state.values()
-        for v in st.values()
-        if torch.is_tensor(v) and v.numel() > min_numel
-    )
+    return tensor_bytes(v for st in opt.state.values() for v in st.values()
+                        if torch.is_tensor(v) and v.numel() > min_numel)
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -48,7 +48,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from eval.flops import train_flops_per_token  # noqa: E402
 from eval.step_census import StepCensus, census, fmt  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
-    cpu_snapshot, foreign_cores, linear_peak, machine_info, peak_size, percent_of_peak,
+    cpu_snapshot, foreign_cores, linear_peak, machine_info, peak_size, percent_of_peak, tensor_bytes,
 )
 from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer  # noqa: E402
 from trainer.config import register_configs, to_dataclass, validate  # noqa: E402
@@ -76,10 +76,6 @@ class Contender:
     @property
     def key(self) -> tuple[str, str, str, str, str]:
         return self.model, self.impl, self.optim, self.mode, self.precision
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def one_line(err: BaseException) -> str:
