@@ -101,3 +101,31 @@ def test_optimizer_ops_do_not_grow_with_depth(name, experts):
     shallow = _optimizer_phase_ops(base, name)
     deep = _optimizer_phase_ops(ModelConfig(**{**base.__dict__, "n_layers": 6}), name)
     assert deep == shallow, f"{shallow:.0f} ops with 2 layers, {deep:.0f} with 6"
+
+
+def test_bench_train_census_prints_the_counts_per_row():
+    """The benchmark behind `make bench-gpu`, at a toy size on CPU: every row of ours and the
+    reference carries its op count and zero host syncs, so the GPU command is ready to run."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
+         "--precisions", "fp32", "--optims", "adamw", "muon", "--census", "--rounds", "1", "--warmup", "1",
+         "--batch-size", "2", "--seq-len", "32", "--peak-size", "128", "--peak-repeats", "1", "--device", "cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    header = next(line for line in out.splitlines() if line.startswith("| model | impl |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| gpt_tiny |") and len(cells) == len(columns):
+            row = dict(zip(columns, cells))
+            rows[row["impl"], row["optim"]] = row
+    assert set(rows) == {("ours", "adamw"), ("ours", "muon"), ("reference", "adamw")}, out
+    for row in rows.values():
+        assert int(row["aten ops/step"]) > 0 and float(row["host syncs/step"]) == 0.0, row
+    assert float(rows["ours", "adamw"]["ours / reference"]) > 0
