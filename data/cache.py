@@ -1,13 +1,15 @@
 """Token caches: one split as a flat memmapped token array, built once and shared by all runs.
 
 A cache is two files named by its key: `<name>-<key>.bin`, the raw tokens, and
-`<name>-<key>.json`, its meta (key, dtype, n_tokens). The key hashes the source's
+`<name>-<key>.json`, its meta (key, dtype, n_tokens, and the sha256 of the tokens, from
+which the corpus id is made without reading them again). The key hashes the source's
 fingerprint and the tokenizer, so a changed corpus or tokenizer gets a new cache instead
 of a stale one. Both files are written atomically, the meta last: a meta on disk means
 its tokens are complete, and a size that does not match the meta means damage.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +23,16 @@ from data.hashing import digest
 from data.sources import Document, Source
 
 # Bump when the layout changes (e.g. how documents are separated) to invalidate old caches.
-CACHE_FORMAT = 1
+# 2: the meta holds the tokens' sha256.
+CACHE_FORMAT = 2
 # Documents per tokenizer call: large enough for the backend to use every core.
 ENCODE_BATCH_DOCS = 256
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype holding every id: caches are read at every step."""
-    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    """The smallest unsigned dtype holding every id: caches are read at every step. Little
+    endian whatever the machine, so that a cache's bytes (and their hash) are the same everywhere."""
+    return np.dtype("<u2" if vocab_size <= 2**16 else "<u4")
 
 
 def cache_key(source_fingerprint: dict, tokenizer_id: str) -> str:
@@ -46,18 +50,26 @@ class CachePaths:
         return cls(stem.with_suffix(".bin"), stem.with_suffix(".json"))
 
 
-def load_tokens(paths: CachePaths, key: str, dtype: np.dtype) -> Optional[np.memmap]:
+@dataclass(frozen=True)
+class TokenSplit:
+    tokens: np.memmap
+    sha256: str  # of the raw token bytes (dtype included: see token_dtype)
+    built: bool  # False: reused from the cache
+
+
+def load_tokens(paths: CachePaths, key: str, dtype: np.dtype) -> Optional[TokenSplit]:
     """The cached tokens, or None when missing, stale or damaged (then they need a rebuild)."""
     try:
         meta = json.loads(paths.meta.read_text())
         n_tokens = int(meta["n_tokens"])
+        sha256 = str(meta["sha256"])
         if meta["key"] != key or meta["dtype"] != dtype.name or n_tokens < 1:
             return None
         if paths.tokens.stat().st_size != n_tokens * dtype.itemsize:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return np.memmap(paths.tokens, dtype=dtype, mode="r", shape=(n_tokens,))
+    return TokenSplit(np.memmap(paths.tokens, dtype=dtype, mode="r", shape=(n_tokens,)), sha256, built=False)
 
 
 def encode_documents(docs: Iterable[Document], tokenizer: PreTrainedTokenizerBase) -> Iterator[list[int]]:
@@ -89,31 +101,33 @@ def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 def build_tokens(
     paths: CachePaths, key: str, name: str, source: Source, tokenizer: PreTrainedTokenizerBase
-) -> np.memmap:
+) -> TokenSplit:
     """Tokenize `source` into the cache, streaming to disk so memory does not grow with the corpus."""
     dtype = token_dtype(len(tokenizer))
     n_tokens = 0
+    digest = hashlib.sha256()
     with atomic_output(paths.tokens) as f:
         for ids in encode_documents(source.documents(), tokenizer):
             # np.asarray raises on ids that do not fit the dtype rather than wrapping them.
-            f.write(np.asarray(ids, dtype=dtype).tobytes())
+            data = np.asarray(ids, dtype=dtype).tobytes()
+            f.write(data)
+            digest.update(data)
             n_tokens += len(ids)
     if n_tokens == 0:
         paths.tokens.unlink()
         raise ValueError(f"data split {name!r} has no text (its source yielded no non-empty documents)")
-    meta = {"key": key, "dtype": dtype.name, "n_tokens": n_tokens}
+    meta = {"key": key, "dtype": dtype.name, "n_tokens": n_tokens, "sha256": digest.hexdigest()}
     with atomic_output(paths.meta) as f:
         f.write(json.dumps(meta, indent=1).encode("utf-8"))
-    return np.memmap(paths.tokens, dtype=dtype, mode="r", shape=(n_tokens,))
+    tokens = np.memmap(paths.tokens, dtype=dtype, mode="r", shape=(n_tokens,))
+    return TokenSplit(tokens, meta["sha256"], built=True)
 
 
 def cached_tokens(
     cache_dir: Path, name: str, source: Source, tokenizer: PreTrainedTokenizerBase, tokenizer_id: str
-) -> tuple[np.memmap, bool]:
-    """The tokens of `source` from the cache, building them if needed; also whether it built them."""
+) -> TokenSplit:
+    """The tokens of `source` from the cache, building them if needed."""
     key = cache_key(source.fingerprint(), tokenizer_id)
     paths = CachePaths.of(cache_dir, name, key)
-    tokens = load_tokens(paths, key, token_dtype(len(tokenizer)))
-    if tokens is not None:
-        return tokens, False
-    return build_tokens(paths, key, name, source, tokenizer), True
+    cached = load_tokens(paths, key, token_dtype(len(tokenizer)))
+    return cached if cached is not None else build_tokens(paths, key, name, source, tokenizer)

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 class EvalSourceConfig:
     """One named evaluation set besides the in-domain "val" split.
 
-    kind="pydoc_topics": English prose bundled with the interpreter (no network).
+    kind="pydoc_topics": English prose bundled with the interpreter (no network), from
+    data.stdlib_root's pydoc_data/topics.py, as the corpus manifest pins it.
     kind="hf": anything `datasets.load_dataset` reads (hub name or local files).
     """
 
@@ -30,13 +31,16 @@ class DataConfig:
     # `tokenizer` names a pretrained one).
     vocab_size: int = 8192
     # Fraction of documents (stdlib: modules) held out as the in-domain "val" set.
-    val_fraction: float = 0.01
+    val_fraction: float = 0.05
     # Where tokenizers and token caches live; relative paths are taken from the
     # directory train.py is launched in, so every run and every rank shares them.
     cache_dir: str = ".cache/data"
     # The BPE is trained on at most this many bytes of training text (a deterministic
     # prefix of the shuffled-by-hash document order); encoding always covers everything.
     tokenizer_train_bytes: int = 64_000_000
+    # data=stdlib: the standard library directory to read (the one holding os.py); null: the
+    # running interpreter's. Only the text the corpus manifest pins is taken from it.
+    stdlib_root: Optional[str] = None
     # Read at most this many documents (stdlib: modules in path order; hf: records in
     # dataset order) before the val split; null reads everything.
     max_docs: Optional[int] = None

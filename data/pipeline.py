@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from data.cache import cached_tokens
+from data.cache import TokenSplit, cached_tokens
 from data.config import DataConfig
-from data.sources import Source, check_data_config, eval_source, train_val_sources
+from data.hashing import digest
+from data.sources import CorpusReport, PinnedSource, Source, check_data_config, eval_source, train_val_sources
 from data.tokenizer import (
     build_trained,
     load_pretrained,
@@ -24,6 +25,16 @@ from data.tokenizer import (
 log = logging.getLogger("data")
 
 
+# Long enough that two corpora never share one by chance, short enough to read in a log line.
+CORPUS_ID_HEX_DIGITS = 12
+
+
+def corpus_id(tokenizer_id: str, split_sha256: dict[str, str]) -> str:
+    """Names the exact token streams of every split and the tokenizer that made them: two runs
+    with the same id trained and were evaluated on the same tokens."""
+    return digest({"tokenizer": tokenizer_id, "splits": split_sha256})[:CORPUS_ID_HEX_DIGITS]
+
+
 @dataclass
 class PreparedData:
     tokenizer: PreTrainedTokenizerBase
@@ -31,6 +42,31 @@ class PreparedData:
     eos_id: int
     train: np.ndarray  # 1-D token memmap
     eval_sets: dict[str, np.ndarray]  # "val" first, then each cfg.eval_sets name in order
+    tokenizer_id: str
+    split_sha256: dict[str, str]  # "train", "val", each eval set -> sha256 of its tokens
+    # Manifest-pinned sources (the embedded corpus): how this interpreter's build compares.
+    reports: list[CorpusReport]
+
+    @property
+    def corpus_id(self) -> str:
+        return corpus_id(self.tokenizer_id, self.split_sha256)
+
+    def split_tokens(self) -> dict[str, int]:
+        return {"train": len(self.train), **{name: len(tokens) for name, tokens in self.eval_sets.items()}}
+
+    def describe(self) -> dict[str, Any]:
+        """The corpus for run records: its id, the size and hash of each split, the manifest check."""
+        sizes = self.split_tokens()
+        return {
+            "id": self.corpus_id,
+            "tokenizer": self.tokenizer_id,
+            "splits": {name: {"tokens": sizes[name], "sha256": sha} for name, sha in self.split_sha256.items()},
+            "manifest": [asdict(report) for report in self.reports],
+        }
+
+    def startup_line(self) -> str:
+        sizes = ", ".join(f"{name} {n:,}" for name, n in self.split_tokens().items())
+        return f"corpus {self.corpus_id}: {sizes} tokens (vocab {self.vocab_size})"
 
 
 def resolve_cache_dir(cache_dir: str) -> Path:
@@ -58,15 +94,27 @@ def get_tokenizer(cfg: DataConfig, train: Source, cache_dir: Path) -> PreTrained
 
 def get_tokens(
     cache_dir: Path, name: str, source: Source, tokenizer: PreTrainedTokenizerBase, tokenizer_id: str
-) -> np.ndarray:
+) -> TokenSplit:
     start = time.perf_counter()
-    tokens, built = cached_tokens(cache_dir, name, source, tokenizer, tokenizer_id)
-    if built:
+    split = cached_tokens(cache_dir, name, source, tokenizer, tokenizer_id)
+    tokens = split.tokens
+    if split.built:
         log.info("%s: built %d tokens (%s) in %.1fs -> %s",
                  name, len(tokens), tokens.dtype, time.perf_counter() - start, tokens.filename)
     else:
         log.info("%s: reused %d tokens (%s) from %s", name, len(tokens), tokens.dtype, tokens.filename)
-    return tokens
+    return split
+
+
+def check_against_manifest(sources: list[Source]) -> list[CorpusReport]:
+    """Report, for each manifest-pinned source, whether this interpreter built the pinned text."""
+    reports = []
+    for source in sources:
+        if isinstance(source, PinnedSource):
+            report = source.report()
+            (log.info if report.pinned else log.warning)("corpus manifest: %s", report.line())
+            reports.append(report)
+    return reports
 
 
 def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: int) -> None:
@@ -89,11 +137,18 @@ def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData
     tokenizer = get_tokenizer(cfg, train_source, cache_dir)
     tokenizer_id = tokenizer_hash(tokenizer)
     sources: dict[str, Source] = {"val": val_source}
-    sources.update((name, eval_source(name, ecfg)) for name, ecfg in cfg.eval_sets.items())
-    train = get_tokens(cache_dir, "train", train_source, tokenizer, tokenizer_id)
-    eval_sets = {
-        name: get_tokens(cache_dir, name, source, tokenizer, tokenizer_id) for name, source in sources.items()
-    }
+    sources.update((name, eval_source(name, ecfg, cfg.stdlib_root)) for name, ecfg in cfg.eval_sets.items())
+    # The val split shares the train split's base source: one report covers both.
+    reports = check_against_manifest([train_source.base, *sources.values()])
+    splits = {"train": get_tokens(cache_dir, "train", train_source, tokenizer, tokenizer_id)}
+    splits.update(
+        (name, get_tokens(cache_dir, name, source, tokenizer, tokenizer_id)) for name, source in sources.items()
+    )
+    train = splits["train"].tokens
+    eval_sets = {name: split.tokens for name, split in splits.items() if name != "train"}
     if seq_len is not None:
         check_lengths(train, eval_sets, seq_len)
-    return PreparedData(tokenizer, len(tokenizer), tokenizer.eos_token_id, train, eval_sets)
+    return PreparedData(
+        tokenizer, len(tokenizer), tokenizer.eos_token_id, train, eval_sets, tokenizer_id,
+        {name: split.sha256 for name, split in splits.items()}, reports,
+    )

@@ -8,17 +8,17 @@ train.py calls `check_data_config` before loading either.
 from __future__ import annotations
 
 import glob
-import os
 import re
 import sysconfig
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Protocol
+from typing import Any, ClassVar, Iterable, Iterator, Optional, Protocol
 
 from data.config import DataConfig, EvalSourceConfig
-from data.hashing import digest, hash_fraction
+from data.hashing import hash_fraction
+from data.manifest import SPLITTERS, TOPICS_FILE, CorpusPart, Manifest, Selection, read_topics, select, stream_digest
 
 Document = tuple[str, str]
 
@@ -29,7 +29,6 @@ EVAL_KINDS = ("pydoc_topics", "hf")
 MIN_VOCAB_SIZE = 512
 # Eval set names become metric names (val/<name>/loss) and cache file names.
 EVAL_NAME = re.compile(r"[A-Za-z0-9_-]+")
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Hub dataset ids never start like this; such a path is meant to be a local one.
 LOCAL_PREFIXES = ("/", "./", "../", "~")
 DATA_FILE_SUFFIXES = frozenset({".txt", ".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".gz", ".zst", ".xz", ".bz2"})
@@ -80,66 +79,119 @@ class HashSplit:
                 yield doc_id, text
 
 
-def stdlib_root() -> Path:
+def stdlib_root(configured: Optional[str] = None) -> Path:
+    """The standard library to read: `configured` (data.stdlib_root) or the running interpreter's."""
+    if configured is not None:
+        return Path(configured).expanduser()
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def stdlib_files(root: Path, limit: Optional[int] = None) -> list[str]:
-    """Posix paths, relative to `root`, of its .py files in sorted order; the first `limit` if given."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
-        rel_dir = Path(dirpath).relative_to(root)
-        found.extend((rel_dir / name).as_posix() for name in filenames if name.endswith(".py"))
-    found.sort()
-    return found[:limit]
+@dataclass
+class CorpusReport:
+    """How a pinned source's build compares with the manifest."""
+
+    source: str
+    documents: int
+    chunks: int  # chunks the manifest pins for these documents
+    missing: dict[str, int]  # doc_id -> pinned chunks this interpreter lacks
+    pinned: bool  # exactly the manifest's text (all chunks, whole-stream sha256 matching)
+
+    def line(self) -> str:
+        if self.pinned:
+            return f"{self.source}: {self.documents} documents, all {self.chunks} chunks the manifest pins"
+        if not self.missing:
+            return (f"{self.source}: {self.documents} documents; the text differs from the manifest's "
+                    "(data.max_docs, or a chunk-key collision)")
+        n_missing = sum(self.missing.values())
+        worst = sorted(self.missing.items(), key=lambda item: (-item[1], item[0]))
+        listed = ", ".join(f"{doc} ({n})" for doc, n in worst[:8])
+        more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
+        return (f"{self.source}: this interpreter lacks {n_missing} of the {self.chunks} chunks the "
+                f"manifest pins, in {len(worst)} documents: {listed}{more}. They were skipped, so this "
+                "corpus (and its id) differs from the published one")
 
 
 @dataclass
-class StdlibSource:
-    """The .py sources of the running interpreter's standard library; doc_id is the relative path."""
+class PinnedSource:
+    """Documents as the corpus manifest pins them, built from the running interpreter's text."""
 
-    root: Path = field(default_factory=stdlib_root)
+    kind: ClassVar[str]
     limit: Optional[int] = None
+    manifest: Optional[Manifest] = None  # None: data/corpus_manifest.json
+
+    def part(self) -> CorpusPart:
+        raise NotImplementedError
+
+    def raw_text(self, doc_id: str) -> Optional[str]:
+        """The interpreter's text of one document; None where it has none."""
+        raise NotImplementedError
+
+    def _manifest(self) -> Manifest:
+        if self.manifest is None:
+            self.manifest = Manifest.load()
+        return self.manifest
 
     @cached_property
-    def files(self) -> list[str]:
-        return stdlib_files(self.root, self.limit)
-
-    def fingerprint(self) -> dict[str, Any]:
-        # Paths and sizes identify an interpreter's stdlib without reading 30 MB.
-        return {"kind": "stdlib", "files": [[rel, (self.root / rel).stat().st_size] for rel in self.files]}
+    def selections(self) -> list[Selection]:
+        part = self.part()
+        split = SPLITTERS[part.splitter]
+        doc_ids = list(part.documents)[: self.limit]
+        return [select(doc_id, self.raw_text(doc_id), part.documents[doc_id], split) for doc_id in doc_ids]
 
     def documents(self) -> Iterator[Document]:
-        for rel in self.files:
-            try:
-                text = (self.root / rel).read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                # A few test fixtures are deliberately in legacy encodings. Skipping by
-                # content is deterministic, and decoding them some other way would be a guess.
-                continue
-            yield rel, text
+        for s in self.selections:
+            if s.text:
+                yield s.doc_id, s.text
+
+    def fingerprint(self) -> dict[str, Any]:
+        # The text itself: it is built anyway, and a hash of it cannot go stale.
+        return {"kind": self.kind, "content": stream_digest(self.documents())}
+
+    def report(self) -> CorpusReport:
+        part = self.part()
+        missing = {s.doc_id: s.missing for s in self.selections if s.missing}
+        pinned = not missing and self.limit is None and stream_digest(self.documents()) == part.sha256
+        chunks = sum(len(part.documents[s.doc_id]) for s in self.selections)
+        return CorpusReport(self.kind, len(self.selections), chunks, missing, pinned)
+
+
+@dataclass
+class StdlibSource(PinnedSource):
+    """Standard-library modules as the manifest pins them; doc_id is the path relative to `root`."""
+
+    kind: ClassVar[str] = "stdlib"
+    root: Path = field(default_factory=stdlib_root)
+
+    def part(self) -> CorpusPart:
+        return self._manifest().stdlib
+
+    def raw_text(self, doc_id: str) -> Optional[str]:
+        try:
+            return (self.root / doc_id).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def split_key(self, doc_id: str, text: str) -> str:
         return doc_id
 
 
 @dataclass
-class PydocTopicsSource:
-    """The English help texts of `pydoc_data.topics`, by sorted topic name."""
+class PydocTopicsSource(PinnedSource):
+    """The English help texts of `pydoc_data.topics` as the manifest pins them, by topic name."""
 
-    max_docs: Optional[int] = None
+    kind: ClassVar[str] = "pydoc_topics"
+    root: Path = field(default_factory=stdlib_root)
 
-    def _items(self) -> list[Document]:
-        from pydoc_data.topics import topics
+    def part(self) -> CorpusPart:
+        return self._manifest().pydoc_topics
 
-        return sorted(topics.items())[: self.max_docs]
+    @cached_property
+    def topics(self) -> dict[str, str]:
+        path = self.root / TOPICS_FILE
+        return read_topics(path.read_bytes(), str(path)) if path.is_file() else {}
 
-    def fingerprint(self) -> dict[str, Any]:
-        return {"kind": "pydoc_topics", "content": digest(self._items())}
-
-    def documents(self) -> Iterator[Document]:
-        yield from self._items()
+    def raw_text(self, doc_id: str) -> Optional[str]:
+        return self.topics.get(doc_id)
 
 
 def is_remote(pattern: str) -> bool:
@@ -258,7 +310,7 @@ def train_val_sources(cfg: DataConfig) -> tuple[HashSplit, HashSplit]:
     """The train and in-domain val sides of the configured source."""
     base: SplittableSource
     if cfg.name == "stdlib":
-        base = StdlibSource(limit=cfg.max_docs)
+        base = StdlibSource(limit=cfg.max_docs, root=stdlib_root(cfg.stdlib_root))
     else:
         base = HFSource(
             "data", cfg.path, cfg.dataset_config, cfg.data_files, cfg.split, cfg.text_field, cfg.streaming,
@@ -267,9 +319,10 @@ def train_val_sources(cfg: DataConfig) -> tuple[HashSplit, HashSplit]:
     return HashSplit(base, "train", cfg.val_fraction), HashSplit(base, "val", cfg.val_fraction)
 
 
-def eval_source(name: str, ecfg: EvalSourceConfig) -> Source:
+def eval_source(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str] = None) -> Source:
+    """One named eval set; `stdlib_dir` is data.stdlib_root, where pydoc_topics are read."""
     if ecfg.kind == "pydoc_topics":
-        return PydocTopicsSource(ecfg.max_docs)
+        return PydocTopicsSource(limit=ecfg.max_docs, root=stdlib_root(stdlib_dir))
     return HFSource(
         f"data.eval_sets.{name}", ecfg.path, ecfg.dataset_config, ecfg.data_files, ecfg.split,
         ecfg.text_field, max_docs=ecfg.max_docs,
@@ -295,13 +348,15 @@ def check_data_config(cfg: DataConfig) -> None:
     _check_max_docs("data", cfg.max_docs)
     if cfg.tokenizer is not None:
         _check_local_path("data.tokenizer", cfg.tokenizer)
+    if cfg.stdlib_root is not None and not (Path(cfg.stdlib_root).expanduser() / "os.py").is_file():
+        raise DataConfigError(f"data.stdlib_root: {cfg.stdlib_root} is not a standard library directory (no os.py)")
     if cfg.name == "hf":
         _check_hf_source("data", cfg.path, cfg.data_files)
     for name, ecfg in cfg.eval_sets.items():
-        _check_eval_set(name, ecfg)
+        _check_eval_set(name, ecfg, cfg.stdlib_root)
 
 
-def _check_eval_set(name: str, ecfg: EvalSourceConfig) -> None:
+def _check_eval_set(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str]) -> None:
     key = f"data.eval_sets.{name}"
     if name == "val":
         raise DataConfigError(f"{key}: the name 'val' is reserved for the in-domain split")
@@ -312,6 +367,12 @@ def _check_eval_set(name: str, ecfg: EvalSourceConfig) -> None:
     _check_max_docs(key, ecfg.max_docs)
     if ecfg.kind == "hf":
         _check_hf_source(key, ecfg.path, ecfg.data_files)
+    topics = stdlib_root(stdlib_dir) / TOPICS_FILE
+    if ecfg.kind == "pydoc_topics" and not topics.is_file():
+        raise DataConfigError(
+            f"{key}: {topics} does not exist (this Python's distribution leaves pydoc_data out); "
+            "point data.stdlib_root at a full standard library or drop the eval set"
+        )
 
 
 def _check_max_docs(key: str, max_docs: Optional[int]) -> None:

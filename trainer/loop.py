@@ -28,6 +28,7 @@ from optim.builder import build_optimizer
 from optim.schedule import lr_at
 from trainer import checkpoint
 from trainer import device as dev
+from trainer import run_env
 from trainer.config import TrainConfig
 from trainer.mesh import Mesh, init_mesh
 from trainer.precision import resolve_run_precisions
@@ -151,12 +152,20 @@ class Trainer:
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
+        self.environment = run_env.environment(
+            self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
+            dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
+        )
         if self.mesh.is_main:
             self._write_resolved_config()
+            run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
+            if resumed is not None:
+                self._check_resumed_corpus(resumed["config"])
+            log.info(self.data.startup_line())
             log.info(
-                "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step",
+                "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step; corpus %s",
                 self.model_cfg.name, sum(p.numel() for p in self.params) / 1e6,
-                self.mesh.dp, self.mesh.tp, self.tokens_per_step,
+                self.mesh.dp, self.mesh.tp, self.tokens_per_step, self.data.corpus_id,
             )
             log.info(
                 "%.1f MFLOP per trained token; peak %.3f TFLOP/s per device (%s)",
@@ -165,8 +174,16 @@ class Trainer:
             )
 
     def resolved_config(self) -> dict:
-        """The config as it runs: "auto" precisions resolved, the model's vocabulary set."""
-        return asdict(replace(self.cfg, model=self.model_cfg))
+        """The config as it runs: "auto" precisions resolved, the model's vocabulary set, and
+        the id of the exact corpus it trains on."""
+        return {**asdict(replace(self.cfg, model=self.model_cfg)), "corpus_id": self.data.corpus_id}
+
+    def _check_resumed_corpus(self, saved_config: dict) -> None:
+        """A run resumed on other tokens is a different experiment from its first part: say so."""
+        saved = saved_config.get("corpus_id")
+        if saved is not None and saved != self.data.corpus_id:
+            log.warning("resumed on corpus %s, but the checkpoint was trained on corpus %s: the steps "
+                        "after the resume see other data (see environment.json)", self.data.corpus_id, saved)
 
     def _write_resolved_config(self) -> None:
         """<run_dir>/resolved_config.yaml: .hydra/config.yaml holds what was asked ("auto"),
@@ -331,7 +348,10 @@ class Trainer:
         t = cfg.trainer
         sinks = None
         if mesh.is_main:
-            sinks = MetricSinks(self.run_dir, cfg.logger, cfg.name, self.resolved_config())
+            sinks = MetricSinks(
+                self.run_dir, cfg.logger, cfg.name, {**self.resolved_config(), "environment": self.environment},
+                metric_names=["train/loss", *(f"val/{name}/loss" for name in self.eval_sets)],
+            )
         progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none")
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0

@@ -7,20 +7,50 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Union
 
 from trainer.config import LoggerConfig
 
 
+HParam = Union[str, int, float, bool]
+
+
+def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, HParam]:
+    """A nested config as TensorBoard hparams: dotted keys, and scalar values (null and lists as text)."""
+    flat: dict[str, HParam] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_hparams(value, f"{name}."))
+        elif isinstance(value, (str, int, float, bool)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value)
+    return flat
+
+
 class MetricSinks:
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any]) -> None:
+    """`config` (the resolved config, corpus id and environment) goes to wandb's config and
+    TensorBoard's hparams, where `metric_names` are the metrics its table shows."""
+
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any],
+                 metric_names: Iterable[str] = ()) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
+        self.tb_session_end = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            # Written into the run's own event file (add_hparams would start a second run
+            # dir), so the hparams table lines up with this run's scalars.
+            experiment, session_start, self.tb_session_end = hparams(
+                flat_hparams(config), {name: 0.0 for name in metric_names}
+            )
+            self.tb.file_writer.add_summary(experiment)
+            self.tb.file_writer.add_summary(session_start)
         self.wandb_run = None
         if cfg.wandb.mode != "disabled":
             import wandb
@@ -51,6 +81,7 @@ class MetricSinks:
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
+            self.tb.file_writer.add_summary(self.tb_session_end)
             self.tb.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()

@@ -1,0 +1,105 @@
+"""The run's environment record: <run_dir>/environment.json.
+
+What a run's numbers depend on beyond its config: the code (git commit, and whether the
+tree had changes), the software (Python, torch, CUDA), the hardware (device, world size and
+layout) and the exact corpus (its id, the size and hash of every split, and how this
+interpreter's build compared with the corpus manifest). Written by rank 0 when the run
+starts; a resumed run keeps the first record and appends its own under "resumes", so a
+run that moved to another machine or corpus midway says so.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from data.atomic import atomic_output
+
+ENV_FILE = "environment.json"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GIT_TIMEOUT_S = 10
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """The commit the code came from and whether tracked files differed from it (None: not a git checkout)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
+                corpus: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "git": git_state(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": device_name(device),
+        "device_type": device.type,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "world_size": world_size,
+        "layout": {"dp": dp, "tp": tp, "backend": backend},
+        "corpus": corpus,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def read_environment(run_dir: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((run_dir / ENV_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_environment(run_dir: Path, env: dict[str, Any], resumed_at: Optional[int] = None) -> dict[str, Any]:
+    """Write the record of a fresh run, or append a resumed start to the existing one; returns the file's record."""
+    previous = read_environment(run_dir) if resumed_at is not None else None
+    if previous is None:
+        record = dict(env)
+    else:
+        record = previous
+        record.setdefault("resumes", []).append({"step": resumed_at, **env})
+    with atomic_output(run_dir / ENV_FILE) as f:
+        f.write((json.dumps(record, indent=1) + "\n").encode("utf-8"))
+    return record
+
+
+def summary_line(env: dict[str, Any]) -> str:
+    """One line naming what a reader of a comparison needs to know about a run's environment."""
+    git = env.get("git") or {}
+    commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
+    layout = env.get("layout") or {}
+    cuda = f", CUDA {env['cuda']}" if env.get("cuda") else ""
+    return (f"commit {commit}; Python {env.get('python')}, torch {env.get('torch')}{cuda}; "
+            f"{env.get('device')} x {env.get('world_size')} (dp {layout.get('dp')}, tp {layout.get('tp')})")
