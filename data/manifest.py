@@ -183,7 +183,8 @@ class Manifest:
         return json.dumps(obj, indent=1) + "\n"
 
     @classmethod
-    def load(cls, path: Path = MANIFEST_PATH) -> Manifest:
+    def load(cls, path: Optional[Path] = None) -> Manifest:
+        path = path if path is not None else MANIFEST_PATH  # read at call time: tests swap it
         obj = json.loads(path.read_text(encoding="utf-8"))
         if obj.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"{path}: manifest format {obj.get('format')!r}, expected {MANIFEST_FORMAT}")

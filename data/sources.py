@@ -91,24 +91,26 @@ class CorpusReport:
     """How a pinned source's build compares with the manifest."""
 
     source: str
-    documents: int
+    documents: int  # documents read (all the manifest's, or the first data.max_docs)
     chunks: int  # chunks the manifest pins for these documents
     missing: dict[str, int]  # doc_id -> pinned chunks this interpreter lacks
-    pinned: bool  # exactly the manifest's text (all chunks, whole-stream sha256 matching)
+    limited: bool  # data.max_docs cut the corpus short
+    pinned: bool  # every pinned chunk found (and, read whole, the manifest's sha256 matched)
 
     def line(self) -> str:
-        if self.pinned:
-            return f"{self.source}: {self.documents} documents, all {self.chunks} chunks the manifest pins"
-        if not self.missing:
-            return (f"{self.source}: {self.documents} documents; the text differs from the manifest's "
-                    "(data.max_docs, or a chunk-key collision)")
-        n_missing = sum(self.missing.values())
-        worst = sorted(self.missing.items(), key=lambda item: (-item[1], item[0]))
-        listed = ", ".join(f"{doc} ({n})" for doc, n in worst[:8])
-        more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
-        return (f"{self.source}: this interpreter lacks {n_missing} of the {self.chunks} chunks the "
-                f"manifest pins, in {len(worst)} documents: {listed}{more}. They were skipped, so this "
-                "corpus (and its id) differs from the published one")
+        if self.missing:
+            n_missing = sum(self.missing.values())
+            worst = sorted(self.missing.items(), key=lambda item: (-item[1], item[0]))
+            listed = ", ".join(f"{doc} ({n})" for doc, n in worst[:8])
+            more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
+            return (f"{self.source}: this interpreter lacks {n_missing} of the {self.chunks} chunks the "
+                    f"manifest pins, in {len(worst)} documents: {listed}{more}. They were skipped, so this "
+                    "corpus (and its id) differs from the published one")
+        if not self.pinned:
+            return (f"{self.source}: every pinned chunk was found, but the text's sha256 differs from the "
+                    "manifest's (a chunk-key collision): this corpus differs from the published one")
+        first = f"the first {self.documents} documents (max_docs)" if self.limited else f"{self.documents} documents"
+        return f"{self.source}: {first}, all {self.chunks} chunks the manifest pins"
 
 
 @dataclass
@@ -150,9 +152,11 @@ class PinnedSource:
     def report(self) -> CorpusReport:
         part = self.part()
         missing = {s.doc_id: s.missing for s in self.selections if s.missing}
-        pinned = not missing and self.limit is None and stream_digest(self.documents()) == part.sha256
+        limited = len(self.selections) < len(part.documents)
+        # Read whole, the text must be the manifest's to the byte; a prefix has no recorded hash.
+        pinned = not missing and (limited or stream_digest(self.documents()) == part.sha256)
         chunks = sum(len(part.documents[s.doc_id]) for s in self.selections)
-        return CorpusReport(self.kind, len(self.selections), chunks, missing, pinned)
+        return CorpusReport(self.kind, len(self.selections), chunks, missing, limited, pinned)
 
 
 @dataclass

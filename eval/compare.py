@@ -16,6 +16,8 @@ from typing import Optional
 
 import yaml
 
+from trainer.run_env import read_environment, summary_line
+
 Series = tuple[list[int], list[float]]
 
 
@@ -25,6 +27,16 @@ class Run:
     optimizer: str
     lr: Optional[float]
     series: dict[str, Series] = field(default_factory=dict)
+    corpus_id: Optional[str] = None  # None: the run recorded none (it predates corpus ids)
+    environment: Optional[dict] = None  # its environment.json
+
+    @property
+    def corpus(self) -> str:
+        return self.corpus_id or "unknown"
+
+    def describe(self) -> str:
+        env = summary_line(self.environment) if self.environment else "no environment.json"
+        return f"{self.label}: corpus {self.corpus}; {env} ({self.path})"
 
     @property
     def label(self) -> str:
@@ -72,7 +84,24 @@ def load_run(path: Path) -> Run:
     if config.exists():
         optim = (yaml.safe_load(config.read_text()) or {}).get("optim", {})
         optimizer, lr = optim.get("name", optimizer), optim.get("lr")
-    return Run(path, optimizer, lr, series)
+    environment = read_environment(path)
+    corpus = (environment or {}).get("corpus", {}).get("id")
+    resolved = path / "resolved_config.yaml"
+    if corpus is None and resolved.exists():
+        corpus = (yaml.safe_load(resolved.read_text()) or {}).get("corpus_id")
+    return Run(path, optimizer, lr, series, corpus, environment)
+
+
+def mixed_corpora(runs: list[Run]) -> Optional[str]:
+    """None when every run trained on one corpus; else one line naming each corpus id with a
+    run on it. Losses on other tokens are not comparable, so comparing them is refused."""
+    by_corpus: dict[str, Run] = {}
+    for run in runs:
+        by_corpus.setdefault(run.corpus, run)
+    if len(by_corpus) < 2:
+        return None
+    named = ", ".join(f"corpus {cid} ({run.path})" for cid, run in by_corpus.items())
+    return f"runs trained on different corpora: {named}"
 
 
 def find_runs(path: Path) -> list[Path]:

@@ -10,6 +10,10 @@ every run's final losses is printed. The first selected run is A (Muon when pres
 second B. --longer takes runs of B's optimizer with longer schedules and reports the
 schedule-length ratio at which B's final loss reaches A's. Writes PNGs and summary.md (the
 printed tables) into --out.
+
+Losses are only comparable on the same tokens: runs whose corpus ids (environment.json)
+differ are refused unless --allow-mixed-corpora is given. summary.md names the corpus and
+the environment of every compared run.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from eval.compare import (  # noqa: E402
     Run, best_per_optimizer, ewm, final_step, find_runs, in_run_ratio, leading_steps, load_run,
-    schedule_ratio,
+    mixed_corpora, schedule_ratio,
 )
 
 BEST_KEY = "val/val/loss"
@@ -164,6 +168,19 @@ def honest_table(a: Run, b: Run, longer: list[Run], keys: list[str]) -> list[str
     return lines
 
 
+def runs_section(a: Run, b: Run, longer: list[Run], mixed: str | None) -> list[str]:
+    """The corpus and environment of every compared run: what the figures below are on."""
+    lines = ["## Runs", ""]
+    if mixed:
+        lines += [f"**Mixed corpora (--allow-mixed-corpora): {mixed}.** Loss differences below mix "
+                  "the optimizers' effect with the data's.", ""]
+    else:
+        lines += [f"Corpus: {a.corpus} (every run)", ""]
+    lines += [f"- A = {a.describe()}", f"- B = {b.describe()}"]
+    lines += [f"- B, longer: {run.describe()}" for run in longer]
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
@@ -171,6 +188,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("comparison"))
     parser.add_argument("--longer", nargs="+", type=Path, default=[],
                         help="runs (or sweep dirs) of B's optimizer with longer schedules, for the schedule ratio")
+    parser.add_argument("--allow-mixed-corpora", action="store_true",
+                        help="compare runs whose corpus ids differ (their losses are on other tokens)")
     args = parser.parse_args()
 
     loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
@@ -186,6 +205,9 @@ def main() -> None:
             sys.exit(f"error: --longer run {run.path} is {run.optimizer}, not B's optimizer {b.optimizer}")
     if longer and final_step(a, BEST_KEY) is None:
         sys.exit(f"error: run {a.path} logged no {BEST_KEY}, which the schedule ratio needs")
+    mixed = mixed_corpora(loaded + longer)
+    if mixed and not args.allow_mixed_corpora:
+        sys.exit(f"error: {mixed}; pass --allow-mixed-corpora to compare them anyway")
 
     args.out.mkdir(parents=True, exist_ok=True)
     keys = loss_keys(runs)
@@ -201,7 +223,7 @@ def main() -> None:
         if path is not None:
             print(f"wrote {path}")
 
-    report = []
+    report = runs_section(a, b, longer, mixed)
     if swept:
         report += ["## Sweep: final losses of every run", ""]
         report += sweep_table(loaded, runs, eval_keys(loaded)) + [""]

@@ -72,8 +72,14 @@ def test_ewm_is_bias_corrected_and_follows_the_recurrence():
         ewm(values, 0.0)
 
 
-def write_run(path: Path, optimizer: str, lr: float, losses: list[float]) -> None:
+def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None) -> None:
+    """A run dir as train.py leaves it; with `corpus`, also its environment.json."""
     (path / ".hydra").mkdir(parents=True)
+    if corpus is not None:
+        env = {"git": {"commit": "0123456789abcdef", "dirty": False}, "python": "3.11.7", "torch": "2.13.0",
+               "cuda": None, "device": "Test CPU", "world_size": 1, "layout": {"dp": 1, "tp": 1},
+               "corpus": {"id": corpus}}
+        (path / "environment.json").write_text(json.dumps(env))
     (path / ".hydra" / "config.yaml").write_text(f"optim:\n  name: {optimizer}\n  lr: {lr}\n")
     with open(path / "metrics.jsonl", "w") as f:
         for step, loss in enumerate(losses, start=1):
@@ -171,3 +177,47 @@ def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --longer run") and "adamw" in proc.stderr
+
+
+def compare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/compare_runs.py", *args, "--out", str(tmp_path / "cmp")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_refuses_runs_on_different_corpora_in_one_line(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="bbbbbbbbbbbb")
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode != 0 and not (tmp_path / "cmp").exists()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: runs trained on different corpora")
+    assert "aaaaaaaaaaaa" in lines[0] and "bbbbbbbbbbbb" in lines[0] and "--allow-mixed-corpora" in lines[0]
+
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), "--allow-mixed-corpora")
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "cmp" / "summary.md").read_text()
+    assert "**Mixed corpora (--allow-mixed-corpora)" in summary
+    assert "corpus aaaaaaaaaaaa" in summary and "corpus bbbbbbbbbbbb" in summary
+
+
+def test_cli_refuses_a_longer_run_on_another_corpus_and_a_run_without_one(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa")
+    write_run(tmp_path / "longer", "adamw", 1e-3, [3.0, 2.5, 2.0], corpus="cccccccccccc")
+    write_run(tmp_path / "old", "adamw", 1e-3, [3.0, 2.6])  # from before corpus ids
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), "--longer", str(tmp_path / "longer"))
+    assert proc.returncode != 0 and "cccccccccccc" in proc.stderr and "aaaaaaaaaaaa" in proc.stderr
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "old"))
+    assert proc.returncode != 0 and "corpus unknown" in proc.stderr
+
+
+def test_summary_states_the_corpus_and_each_sides_environment(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa")
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "cmp" / "summary.md").read_text().splitlines()
+    assert "Corpus: aaaaaaaaaaaa (every run)" in summary
+    env = "corpus aaaaaaaaaaaa; commit 0123456789; Python 3.11.7, torch 2.13.0; Test CPU x 1 (dp 1, tp 1)"
+    assert f"- A = muon lr=0.001: {env} ({tmp_path / 'muon'})" in summary
+    assert f"- B = adamw lr=0.001: {env} ({tmp_path / 'adamw'})" in summary

@@ -126,3 +126,38 @@ def test_a_schedule_that_decays_to_zero_completes_its_last_step(tmp_path):
     assert not any(k.startswith("optim/update_rms/") for k in last)
     assert all(records[i]["optim/update_rms/mlp_in"] > 0 for i in range(1, 5))
     assert (tmp_path / "checkpoints" / "step_00000006.pt").exists()
+
+
+def test_the_run_records_its_corpus_id_and_environment(adamw_run):
+    import platform
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    run_dir, _ = adamw_run
+    env = json.loads((run_dir / "environment.json").read_text())
+    corpus_id = env["corpus"]["id"]
+    assert len(corpus_id) == 12
+    assert yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["corpus_id"] == corpus_id
+    log = (run_dir / "train.log").read_text()
+    assert f"corpus {corpus_id}: train " in log and f"tokens per step; corpus {corpus_id}" in log
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert env["git"]["commit"] == head and isinstance(env["git"]["dirty"], bool)
+    assert env["python"] == platform.python_version() and env["torch"] and env["device_type"] == "cpu"
+    assert env["world_size"] == 1 and env["layout"] == {"dp": 1, "tp": 1, "backend": "none"}
+    assert set(env["corpus"]["splits"]) == {"train", "val", "ood_prose"}
+    assert all(split["tokens"] > 1000 and len(split["sha256"]) == 64 for split in env["corpus"]["splits"].values())
+    assert [m["pinned"] for m in env["corpus"]["manifest"]] == [True, True]
+    assert "resumes" not in env
+
+    # TensorBoard's hparams hold the corpus id beside the config, in the run's own event file.
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    contents = acc.PluginTagToContent("hparams")
+    start = next(plugin_data_pb2.HParamsPluginData.FromString(c) for c in contents.values()
+                 if plugin_data_pb2.HParamsPluginData.FromString(c).HasField("session_start_info"))
+    hparams = start.session_start_info.hparams
+    assert hparams["corpus_id"].string_value == corpus_id
+    assert hparams["environment.git.commit"].string_value == head
+    assert hparams["optim.name"].string_value == "adamw"

@@ -16,11 +16,15 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from data.atomic import atomic_output
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a record is made, not here: scripts/compare_runs.py reads records
+# without it.
 
 ENV_FILE = "environment.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,11 +58,15 @@ def cpu_name() -> str:
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
                 corpus: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     return {
         "git": git_state(),
         "python": platform.python_version(),
@@ -76,6 +84,7 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
 
 
 def read_environment(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The run's record; None where it has none (a run from before the record existed)."""
     try:
         return json.loads((run_dir / ENV_FILE).read_text())
     except (OSError, ValueError):
