@@ -19,6 +19,7 @@ from data.tokenizer import (
     load_pretrained,
     load_trained,
     tokenizer_hash,
+    vocabulary_hash,
     trained_tokenizer_path,
 )
 
@@ -29,10 +30,10 @@ log = logging.getLogger("data")
 CORPUS_ID_HEX_DIGITS = 12
 
 
-def corpus_id(tokenizer_id: str, split_sha256: dict[str, str]) -> str:
-    """Names the exact token streams of every split and the tokenizer that made them: two runs
-    with the same id trained and were evaluated on the same tokens."""
-    return digest({"tokenizer": tokenizer_id, "splits": split_sha256})[:CORPUS_ID_HEX_DIGITS]
+def corpus_id(vocabulary_id: str, split_sha256: dict[str, str]) -> str:
+    """Names the exact token streams of every split and the vocabulary they index: two runs
+    with the same id trained and were evaluated on the same tokens, meaning the same text."""
+    return digest({"vocabulary": vocabulary_id, "splits": split_sha256})[:CORPUS_ID_HEX_DIGITS]
 
 
 @dataclass
@@ -42,14 +43,15 @@ class PreparedData:
     eos_id: int
     train: np.ndarray  # 1-D token memmap
     eval_sets: dict[str, np.ndarray]  # "val" first, then each cfg.eval_sets name in order
-    tokenizer_id: str
+    tokenizer_id: str  # tokenizer_hash: keys the token caches
+    vocabulary_id: str  # vocabulary_hash: part of the corpus id
     split_sha256: dict[str, str]  # "train", "val", each eval set -> sha256 of its tokens
     # Manifest-pinned sources (the embedded corpus): how this interpreter's build compares.
     reports: list[CorpusReport]
 
     @property
     def corpus_id(self) -> str:
-        return corpus_id(self.tokenizer_id, self.split_sha256)
+        return corpus_id(self.vocabulary_id, self.split_sha256)
 
     def split_tokens(self) -> dict[str, int]:
         return {"train": len(self.train), **{name: len(tokens) for name, tokens in self.eval_sets.items()}}
@@ -59,7 +61,7 @@ class PreparedData:
         sizes = self.split_tokens()
         return {
             "id": self.corpus_id,
-            "tokenizer": self.tokenizer_id,
+            "vocabulary": self.vocabulary_id,
             "splits": {name: {"tokens": sizes[name], "sha256": sha} for name, sha in self.split_sha256.items()},
             "manifest": [asdict(report) for report in self.reports],
         }
@@ -150,5 +152,5 @@ def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData
         check_lengths(train, eval_sets, seq_len)
     return PreparedData(
         tokenizer, len(tokenizer), tokenizer.eos_token_id, train, eval_sets, tokenizer_id,
-        {name: split.sha256 for name, split in splits.items()}, reports,
+        vocabulary_hash(tokenizer), {name: split.sha256 for name, split in splits.items()}, reports,
     )

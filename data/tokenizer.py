@@ -89,6 +89,14 @@ def build_trained(path: Path, train: Source, vocab_size: int, max_bytes: int) ->
         f.write(bpe.to_str().encode("utf-8"))
 
 
+def vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's vocabulary (token -> id), for the corpus id. Unlike tokenizer_hash it
+    does not change with the library's serialisation format: a field a new `tokenizers`
+    release adds must not make identical token streams look like another corpus. What else
+    decides the tokens (merges, pre-tokenizer) shows in the token streams themselves."""
+    return digest(sorted(tokenizer.get_vocab().items()))
+
+
 def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     """Identifies what the tokenizer does, for token-cache keys."""
     if not tokenizer.is_fast:

@@ -198,7 +198,7 @@ def test_full_and_stripped_libraries_build_the_same_tokens_and_id(libraries):
     assert np.array_equal(full.train, stripped.train)
     for name in ("val", "ood_prose"):
         assert np.array_equal(full.eval_sets[name], stripped.eval_sets[name])
-    assert full.tokenizer_id == stripped.tokenizer_id
+    assert full.tokenizer_id == stripped.tokenizer_id and full.vocabulary_id == stripped.vocabulary_id
     assert full.corpus_id == stripped.corpus_id and len(full.corpus_id) == 12
     assert [r.pinned for r in full.reports] == [r.pinned for r in stripped.reports] == [True, True]
     text = full.tokenizer.decode(np.asarray(full.train, dtype=np.int64).tolist())
@@ -222,7 +222,7 @@ def test_a_library_lacking_pinned_text_reports_it_and_gets_another_id(libraries,
     assert other.corpus_id != pinned.corpus_id
     # The tokenizer learns from the (changed) training text, so the prose is the same text in
     # other tokens: the id covers the tokenizer too.
-    assert other.tokenizer_id != pinned.tokenizer_id
+    assert other.tokenizer_id != pinned.tokenizer_id and other.vocabulary_id != pinned.vocabulary_id
     prose = [d.tokenizer.decode(np.asarray(d.eval_sets["ood_prose"], dtype=np.int64).tolist()) for d in (other, pinned)]
     assert prose[0] == prose[1]
 
@@ -264,7 +264,33 @@ def test_cache_meta_holds_the_sha256_of_the_token_bytes(libraries):
     assert prepare_data(corpus_cfg(libraries["tmp"], libraries["full"])).corpus_id == data.corpus_id
 
 
-def test_corpus_id_names_every_split_and_the_tokenizer():
+def test_corpus_id_does_not_change_with_the_tokenizer_libraries_serialisation(libraries):
+    """A tokenizers release that writes one more field into a tokenizer's spec (0.23 added
+    model.ignore_merges) changes the cache key, which hashes the whole spec, but must not
+    change the corpus id of the same vocabulary and tokens."""
+    from data.tokenizer import tokenizer_hash, vocabulary_hash
+
+    data = prepare_data(corpus_cfg(libraries["tmp"], libraries["full"]))
+    spec = json.loads(data.tokenizer.backend_tokenizer.to_str())
+    spec["model"]["a_field_of_another_release"] = False
+
+    class AsAnotherReleaseWritesIt:
+        is_fast = True
+
+        def __init__(self, tokenizer):
+            self.get_vocab = tokenizer.get_vocab
+            self.backend_tokenizer = self
+
+        def to_str(self) -> str:
+            return json.dumps(spec)
+
+    other = AsAnotherReleaseWritesIt(data.tokenizer)
+    assert tokenizer_hash(other) != data.tokenizer_id
+    assert vocabulary_hash(other) == data.vocabulary_id
+    assert corpus_id(vocabulary_hash(other), data.split_sha256) == data.corpus_id
+
+
+def test_corpus_id_names_every_split_and_the_vocabulary():
     splits = {"train": "a" * 64, "val": "b" * 64, "ood_prose": "c" * 64}
     base = corpus_id("tok", splits)
     assert base == corpus_id("tok", dict(reversed(list(splits.items()))))

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from data.atomic import atomic_output
 from data.loader import TrainBatches, eval_batches
 from data.pipeline import PreparedData, prepare_data
+from data.sources import DataConfigError
 from eval.evaluate import attention_max_logits, eval_losses
 from eval.flops import device_peak_flops, train_flops_per_token
 from eval.health import HealthStats
@@ -63,7 +64,26 @@ def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
     data = prepare_data(cfg.data, cfg.trainer.seq_len)
     if mesh.world_size > 1 and dev.local_rank() == 0:
         dist.barrier()
+    if mesh.world_size > 1:
+        check_same_corpus(data.corpus_id, mesh)
     return data
+
+
+def check_same_corpus(corpus_id: str, mesh: Mesh) -> None:
+    """Each node builds its own data with its own interpreter and libraries: ranks whose tokens
+    differ would train one model on several corpora without a word, so they stop here."""
+    ids: list[Optional[str]] = [None] * mesh.world_size
+    # Over the host group where there is one: NCCL moves objects through the GPU.
+    dist.all_gather_object(ids, corpus_id, group=mesh.host_group)
+    if len(set(ids)) > 1:
+        by_id: dict[str, list[int]] = {}
+        for rank, cid in enumerate(ids):
+            by_id.setdefault(str(cid), []).append(rank)
+        named = "; ".join(f"corpus {cid} on ranks {', '.join(map(str, ranks))}" for cid, ranks in by_id.items())
+        raise DataConfigError(
+            f"the ranks built different corpora ({named}): their Python standard libraries or tokenizer "
+            "libraries differ (see the corpus manifest warnings); give every node the same environment"
+        )
 
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
@@ -152,11 +172,12 @@ class Trainer:
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
-        self.environment = run_env.environment(
-            self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
-            dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
-        )
+        self.environment: dict = {}
         if self.mesh.is_main:
+            self.environment = run_env.environment(
+                self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
+                dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
+            )
             self._write_resolved_config()
             run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
             if resumed is not None:

@@ -33,19 +33,35 @@ GIT_TIMEOUT_S = 10
 
 def _git(*args: str) -> Optional[str]:
     try:
-        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+        # --no-optional-locks: `git status` must not take the index lock a user's own git
+        # command may need at the same moment.
+        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
 
 
 def git_state() -> dict[str, Any]:
-    """The commit the code came from and whether tracked files differed from it (None: not a git checkout)."""
+    """The commit the code came from and whether tracked files differed from it (None: not a
+    git checkout). Untracked files do not count: outputs and caches live in the tree."""
     commit = _git("rev-parse", "HEAD")
     if commit is None:
         return {"commit": None, "dirty": None}
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
+def package_versions(names: tuple[str, ...]) -> dict[str, Optional[str]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, Optional[str]] = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def cpu_name() -> str:
@@ -72,6 +88,8 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        # What else decides the tokens and the numbers: the tokenizer library, and numpy.
+        "packages": package_versions(("tokenizers", "transformers", "numpy")),
         "device": device_name(device),
         "device_type": device.type,
         "host": socket.gethostname(),
@@ -96,6 +114,8 @@ def record_environment(run_dir: Path, env: dict[str, Any], resumed_at: Optional[
     previous = read_environment(run_dir) if resumed_at is not None else None
     if previous is None:
         record = dict(env)
+        if resumed_at is not None:  # resumed from another run's checkpoint (checkpoint.resume=<path>)
+            record["resumed_at_step"] = resumed_at
     else:
         record = previous
         record.setdefault("resumes", []).append({"step": resumed_at, **env})
