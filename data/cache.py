@@ -115,7 +115,8 @@ def build_tokens(
             n_tokens += len(ids)
     if n_tokens == 0:
         paths.tokens.unlink()
-        raise ValueError(f"data split {name!r} has no text (its source yielded no non-empty documents)")
+        hint = getattr(source, "empty_hint", "")
+        raise ValueError(f"data split {name!r} has no text (its source yielded no non-empty documents){hint}")
     meta = {"key": key, "dtype": dtype.name, "n_tokens": n_tokens, "sha256": digest.hexdigest()}
     with atomic_output(paths.meta) as f:
         f.write(json.dumps(meta, indent=1).encode("utf-8"))

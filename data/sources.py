@@ -72,6 +72,10 @@ class HashSplit:
     def fingerprint(self) -> dict[str, Any]:
         return {"split": self.part, "val_fraction": self.val_fraction, "source": self.base.fingerprint()}
 
+    @property
+    def empty_hint(self) -> str:
+        return getattr(self.base, "empty_hint", "")
+
     def documents(self) -> Iterator[Document]:
         want_val = self.part == "val"
         for doc_id, text in self.base.documents():
@@ -144,6 +148,13 @@ class PinnedSource:
         for s in self.selections:
             if s.text:
                 yield s.doc_id, s.text
+
+    @property
+    def empty_hint(self) -> str:
+        """Why a pinned source can come out empty, for the error that says it did."""
+        found = sum(1 for s in self.selections if s.text)
+        return (f": {found} of the {len(self.selections)} documents the corpus manifest pins were found under "
+                f"{getattr(self, 'root', '?')}; point data.stdlib_root at a CPython 3.10-3.13 standard library")
 
     def fingerprint(self) -> dict[str, Any]:
         # The text itself: it is built anyway, and a hash of it cannot go stale.

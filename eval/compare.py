@@ -85,11 +85,24 @@ def load_run(path: Path) -> Run:
         optim = (yaml.safe_load(config.read_text()) or {}).get("optim", {})
         optimizer, lr = optim.get("name", optimizer), optim.get("lr")
     environment = read_environment(path)
-    corpus = (environment or {}).get("corpus", {}).get("id")
+    corpus = run_corpus_id(environment)
     resolved = path / "resolved_config.yaml"
     if corpus is None and resolved.exists():
         corpus = (yaml.safe_load(resolved.read_text()) or {}).get("corpus_id")
     return Run(path, optimizer, lr, series, corpus, environment)
+
+
+def run_corpus_id(environment: Optional[dict]) -> Optional[str]:
+    """The corpus id of a run's record; "a+b" when a resume went on with another corpus, so
+    that such a run never matches a run on either corpus alone."""
+    if not environment:
+        return None
+    ids: list[str] = []
+    for start in [environment, *environment.get("resumes", [])]:
+        cid = (start.get("corpus") or {}).get("id")
+        if cid is not None and cid not in ids:
+            ids.append(cid)
+    return "+".join(ids) or None
 
 
 def mixed_corpora(runs: list[Run]) -> Optional[str]:

@@ -75,7 +75,8 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None):
     if not path.exists():
         raise FileNotFoundError(
             f"{path}: the run's tokenizer is not there (data.cache_dir is relative to where "
-            "train.py ran); run from that directory or pass --tokenizer"
+            "train.py ran, and a run on an older embedded corpus had another tokenizer); run from "
+            "that directory or pass --tokenizer"
         )
     return load_trained(path)
 

@@ -221,3 +221,15 @@ def test_summary_states_the_corpus_and_each_sides_environment(tmp_path):
     env = "corpus aaaaaaaaaaaa; commit 0123456789; Python 3.11.7, torch 2.13.0; Test CPU x 1 (dp 1, tp 1)"
     assert f"- A = muon lr=0.001: {env} ({tmp_path / 'muon'})" in summary
     assert f"- B = adamw lr=0.001: {env} ({tmp_path / 'adamw'})" in summary
+
+
+def test_a_run_resumed_on_another_corpus_matches_neither(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa")
+    env_file = tmp_path / "adamw" / "environment.json"
+    env = json.loads(env_file.read_text())
+    env["resumes"] = [{"step": 1, **env, "corpus": {"id": "bbbbbbbbbbbb"}}]
+    env_file.write_text(json.dumps(env))
+    assert load_run(tmp_path / "adamw").corpus_id == "aaaaaaaaaaaa+bbbbbbbbbbbb"
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode != 0 and "corpus aaaaaaaaaaaa+bbbbbbbbbbbb" in proc.stderr

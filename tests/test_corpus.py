@@ -314,3 +314,33 @@ def test_report_of_a_prefix_and_of_a_text_whose_hash_disagrees(libraries):
     manifest.stdlib.sha256 = "0" * 64  # what a chunk-key collision would look like
     whole = StdlibSource(root=libraries["full"], manifest=manifest).report()
     assert not whole.pinned and not whole.missing and "sha256 differs" in whole.line()
+
+
+def test_a_library_with_none_of_the_pinned_text_says_where_it_looked(libraries):
+    files = {"os.py": b"other = 1\n", "pydoc_data/topics.py": stdlib_files()["pydoc_data/topics.py"]}
+    root = write_tree(libraries["tmp"] / "foreign", files)
+    with pytest.raises(ValueError, match=r"'train' has no text .*: 0 of the 15 documents the corpus manifest "
+                                         r"pins were found under .*foreign; point data.stdlib_root at"):
+        prepare_data(corpus_cfg(libraries["tmp"], root))
+
+
+def _gather_corpus_ids(rank: int, world_size: int) -> str:
+    from trainer.loop import check_same_corpus
+    from trainer.mesh import Mesh
+
+    mesh = Mesh(rank=rank, world_size=world_size)
+    check_same_corpus("aaaaaaaaaaaa", mesh)  # every rank agrees: no error
+    try:
+        check_same_corpus("aaaaaaaaaaaa" if rank < 2 else "bbbbbbbbbbbb", mesh)
+    except DataConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_built_different_corpora_all_stop_naming_them():
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_gather_corpus_ids, 3)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("the ranks built different corpora (corpus aaaaaaaaaaaa on ranks 0, 1; "
+                                  "corpus bbbbbbbbbbbb on ranks 2)")
