@@ -29,6 +29,12 @@ class Run:
     series: dict[str, Series] = field(default_factory=dict)
     corpus_id: Optional[str] = None  # None: the run recorded none (it predates corpus ids)
     environment: Optional[dict] = None  # its environment.json
+    config: dict = field(default_factory=dict)  # its .hydra/config.yaml ({} when absent)
+
+    @property
+    def seed(self) -> Optional[int]:
+        seed = self.config.get("seed")
+        return None if seed is None else int(seed)
 
     @property
     def corpus(self) -> str:
@@ -79,17 +85,16 @@ def load_run(path: Path) -> Run:
         series = _read_tensorboard(path / "tb")
     else:
         raise FileNotFoundError(f"{path}: no metrics.jsonl or tb/ in this run dir")
-    optimizer, lr = path.name, None
-    config = path / ".hydra" / "config.yaml"
-    if config.exists():
-        optim = (yaml.safe_load(config.read_text()) or {}).get("optim", {})
-        optimizer, lr = optim.get("name", optimizer), optim.get("lr")
+    config_file = path / ".hydra" / "config.yaml"
+    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    optim = config.get("optim", {})
+    optimizer, lr = optim.get("name", path.name), optim.get("lr")
     environment = read_environment(path)
     corpus = run_corpus_id(environment)
     resolved = path / "resolved_config.yaml"
     if corpus is None and resolved.exists():
         corpus = (yaml.safe_load(resolved.read_text()) or {}).get("corpus_id")
-    return Run(path, optimizer, lr, series, corpus, environment)
+    return Run(path, optimizer, lr, series, corpus, environment, config)
 
 
 def run_corpus_id(environment: Optional[dict]) -> Optional[str]:
@@ -128,9 +133,10 @@ def find_runs(path: Path) -> list[Path]:
     return sorted(found)
 
 
-def best_per_optimizer(runs: list[Run], key: str = "val/val/loss") -> list[Run]:
-    """For each optimizer, the run with the lowest final `key` (the best lr of a sweep)."""
-    best: dict[str, Run] = {}
+def best_per_optimizer(runs: list, key: str = "val/val/loss") -> list:
+    """For each optimizer, the run (or the arm of seeds, by its mean) with the lowest final
+    `key`: the best lr of a sweep."""
+    best: dict = {}
     for run in runs:
         value = run.final(key)
         if value is None or not math.isfinite(value):

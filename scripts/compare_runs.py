@@ -3,6 +3,7 @@
     python scripts/compare_runs.py outputs/muon_gpt_tiny/RUN outputs/adamw_gpt_tiny/RUN
     python scripts/compare_runs.py outputs/multirun/2030-01-01_12-00-00     # a whole sweep
     python scripts/compare_runs.py SWEEP --longer outputs/multirun/<AdamW at 1.25x, 1.5x, 2x>
+    python scripts/compare_runs.py MUON_SEEDS ADAMW_SEEDS --longer LONGER_SEEDS   # seeds per arm
 
 Each argument is a run dir (metrics.jsonl, or TensorBoard events in tb/) or a sweep dir of
 runs; from sweeps the best lr per optimizer (lowest final val loss) is kept, and a table of
@@ -10,6 +11,13 @@ every run's final losses is printed. The first selected run is A (Muon when pres
 second B. --longer takes runs of B's optimizer with longer schedules and reports the
 schedule-length ratio at which B's final loss reaches A's. Writes PNGs and summary.md (the
 printed tables) into --out.
+
+Seeds: runs whose configs differ only in `seed` (and in where they log, checkpoint or profile,
+or their parallel layout) and that ran equally long form one arm. Its curves are the mean over
+the seeds with a band of +- one standard error; its final losses, the best lr (by mean) and
+both ratios are reported as mean +- standard error with a 95% interval (Student's t). The
+in-run ratio is taken within each pair of runs with the same seed; the schedule ratio's error
+comes from the delta method (eval/seeds.py).
 
 Losses are only comparable on the same tokens: runs whose corpus ids (environment.json)
 differ are refused unless --allow-mixed-corpora is given. summary.md names the corpus and
@@ -25,8 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.compare import (  # noqa: E402
-    Run, best_per_optimizer, ewm, final_step, find_runs, in_run_ratio, leading_steps, load_run,
-    mixed_corpora, schedule_ratio,
+    Run, best_per_optimizer, ewm, find_runs, leading_steps, load_run, mixed_corpora,
+)
+from eval.seeds import (  # noqa: E402
+    Arm, group_arms, in_run_ratio_over_seeds, schedule_ratio_over_seeds,
 )
 
 BEST_KEY = "val/val/loss"
@@ -56,29 +66,45 @@ def _pyplot():
     return plt
 
 
-def plot_losses(runs: list[Run], keys: list[str], alpha: float, out: Path) -> Path:
+def plot_curve(ax, arm: Arm, key: str, curve_of=None) -> None:
+    """The arm's mean curve, and a band of +- one standard error when it has several seeds."""
+    curve = arm.curve(key, curve_of)
+    if curve is None:
+        return
+    steps, means, ses = curve
+    (line,) = ax.plot(steps, means, label=arm.label)
+    if len(arm.runs) > 1:
+        ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
+                        color=line.get_color(), alpha=0.25, lw=0)
+
+
+def plot_losses(arms: list[Arm], keys: list[str], alpha: float, out: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for run in runs:
-            if key in run.series:
-                ax.plot(*smoothed(run, key, alpha), label=run.label)
+        for arm in arms:
+            plot_curve(ax, arm, key, lambda run, k: smoothed(run, k, alpha))
         ax.set_title(key + (f" (EWM alpha={alpha})" if key == "train/loss" else ""))
         ax.set_xlabel("step")
         ax.legend()
+    if any(len(arm.runs) > 1 for arm in arms):
+        fig.suptitle("mean over seeds, band +- one standard error")
     fig.tight_layout()
     fig.savefig(out / "losses.png", dpi=80)
     plt.close(fig)
     return out / "losses.png"
 
 
-def plot_leading_steps(a: Run, b: Run, keys: list[str], alpha: float, out: Path) -> Path:
+def plot_leading_steps(a: Arm, b: Arm, keys: list[str], alpha: float, out: Path) -> Path:
+    """Leading steps between the two arms' mean curves (each seed's curve smoothed first)."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.5 * len(keys)), squeeze=False)
     for row, key in zip(axes, keys):
-        if key not in a.series or key not in b.series:
+        curve_of = lambda run, k: smoothed(run, k, alpha)  # noqa: E731
+        mean_a, mean_b = a.mean_series(key, curve_of), b.mean_series(key, curve_of)
+        if mean_a is None or mean_b is None:
             continue
-        leads = leading_steps(smoothed(a, key, alpha), smoothed(b, key, alpha))
+        leads = leading_steps(mean_a, mean_b)
         reached = [l for l in leads if l.step_b is not None]
         row[0].plot([l.step_a for l in reached], [l.difference for l in reached], marker=".")
         row[0].set_title(f"{key}: steps B - A")
@@ -94,10 +120,10 @@ def plot_leading_steps(a: Run, b: Run, keys: list[str], alpha: float, out: Path)
     return out / "leading_steps.png"
 
 
-def plot_family(runs: list[Run], prefix: str, title: str, out: Path, name: str) -> Path | None:
-    """One panel per metric under `prefix` (e.g. each parameter kind's update RMS), every run
+def plot_family(arms: list[Arm], prefix: str, title: str, out: Path, name: str) -> Path | None:
+    """One panel per metric under `prefix` (e.g. each parameter kind's update RMS), every arm
     in each panel. None when no run logged the family."""
-    keys = sorted({k for r in runs for k in r.series if k.startswith(prefix)})
+    keys = sorted({k for arm in arms for r in arm.runs for k in r.series if k.startswith(prefix)})
     if not keys:
         return None
     plt = _pyplot()
@@ -105,9 +131,8 @@ def plot_family(runs: list[Run], prefix: str, title: str, out: Path, name: str) 
     rows = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for run in runs:
-            if key in run.series:
-                ax.plot(*run.series[key], label=run.label)
+        for arm in arms:
+            plot_curve(ax, arm, key)
         ax.set_title(key[len(prefix):])
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys):]:
@@ -124,51 +149,74 @@ def fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def sweep_table(runs: list[Run], best: list[Run], keys: list[str]) -> list[str]:
-    lines = ["| optimizer | lr | " + " | ".join(f"final {k}" for k in keys) + " |",
-             "| --- | ---: | " + " | ".join("---:" for _ in keys) + " |"]
-    for run in sorted(runs, key=lambda r: (r.optimizer, r.lr if r.lr is not None else 0.0)):
-        mark = " (best)" if any(run is r for r in best) else ""
-        lr = "-" if run.lr is None else f"{run.lr:g}"
-        lines.append(f"| {run.optimizer}{mark} | {lr} | " + " | ".join(fmt(run.final(k)) for k in keys) + " |")
+def sweep_table(arms: list[Arm], best: list[Arm], keys: list[str]) -> list[str]:
+    """Every arm's final losses; with several seeds, a seeds column and mean +- standard error."""
+    seeded = any(len(arm.runs) > 1 for arm in arms)
+    head = ["optimizer", "lr"] + (["seeds"] if seeded else []) + [f"final {k}" for k in keys]
+    lines = ["| " + " | ".join(head) + " |",
+             "| --- | ---: | " + ("---: | " if seeded else "") + " | ".join("---:" for _ in keys) + " |"]
+    for arm in sorted(arms, key=lambda r: (r.optimizer, r.lr if r.lr is not None else 0.0)):
+        mark = " (best)" if any(arm is r for r in best) else ""
+        cells = [f"{arm.optimizer}{mark}", "-" if arm.lr is None else f"{arm.lr:g}"]
+        if seeded:
+            cells.append(",".join(str(s) for s in arm.seeds))
+        cells += [fmt_estimate(arm.final_estimate(k)) for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def in_run_table(a: Run, b: Run, keys: list[str], alpha: float) -> list[str]:
+def fmt_estimate(est, spec: str = ".4f") -> str:
+    return "-" if est is None else est.format(spec)
+
+
+def fmt_interval(ratio: float, se: float | None, half_width: float | None) -> str:
+    """`1.557`, or `1.557 ± 0.048 (95% CI 1.40 to 1.71)` when the seeds give an error."""
+    if se is None:
+        return f"{ratio:.3f}"
+    text = f"{ratio:.3f} ± {se:.3f}"
+    if half_width is not None:
+        text += f" (95% CI {ratio - half_width:.2f} to {ratio + half_width:.2f})"
+    return text
+
+
+def in_run_table(a: Arm, b: Arm, keys: list[str], alpha: float) -> list[str]:
+    """Per loss, the in-run ratio of each seed pair of A and B, as mean +- standard error."""
     lines = ["| loss | A final | B final | B steps | A steps | ratio B/A | at the final loss of |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for key in keys:
-        if key not in a.series or key not in b.series:
+        r = in_run_ratio_over_seeds(a, b, key, lambda run, k: smoothed(run, k, alpha))
+        if r is None and (a.final(key) is None or b.final(key) is None):
             continue
-        r = in_run_ratio(smoothed(a, key, alpha), smoothed(b, key, alpha))
         cells = ["-", "-", "-", "-"] if r is None else [
-            f"{r.steps_b:.4g}", f"{r.steps_a:.4g}", f"{r.ratio:.3f}", r.reference]
-        lines.append(f"| {key} | {a.final(key):.4f} | {b.final(key):.4f} | " + " | ".join(cells) + " |")
+            f"{r.steps_b:.4g}", f"{r.steps_a:.4g}",
+            fmt_interval(r.ratio.mean, r.ratio.se, r.ratio.half_width_95), r.reference]
+        lines.append(f"| {key} | {fmt_estimate(a.final_estimate(key))} | {fmt_estimate(b.final_estimate(key))} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 
-def honest_table(a: Run, b: Run, longer: list[Run], keys: list[str]) -> list[str]:
-    runs_b = sorted([b] + longer, key=lambda r: final_step(r, BEST_KEY) or 0)
-    steps_a = final_step(a, BEST_KEY)
-    lengths = [(final_step(r, BEST_KEY) or 0) / steps_a for r in runs_b]
+def honest_table(a: Arm, b: Arm, longer: list[Arm], keys: list[str]) -> list[str]:
+    arms_b = sorted([b] + longer, key=lambda arm: arm.final_step(BEST_KEY) or 0)
+    steps_a = a.final_step(BEST_KEY)
+    lengths = [(arm.final_step(BEST_KEY) or 0) / steps_a for arm in arms_b]
     lines = ["| loss | A final | " + " | ".join(f"B at {x:g}x" for x in lengths) + " | schedule ratio B/A |",
              "| --- | ---: | " + " | ".join("---:" for _ in lengths) + " | ---: |"]
     for key in keys:
-        finals = [r.final(key) for r in runs_b]
-        if a.final(key) is None or any(f is None for f in finals):
+        target, finals = a.final_estimate(key), [arm.final_estimate(key) for arm in arms_b]
+        if target is None or any(f is None for f in finals):
             continue
-        s = schedule_ratio(a.final(key), lengths, finals)  # type: ignore[arg-type]
+        s = schedule_ratio_over_seeds(target, lengths, finals)  # type: ignore[arg-type]
         if s.ratio is None:
             ratio = f"> {s.lengths[-1]:g} (not reached)"
-        elif s.ratio == s.lengths[0] and s.finals[0] <= s.target:
+        elif s.ratio == s.lengths[0] and s.finals[0].mean <= s.target.mean:
             ratio = f"<= {s.lengths[0]:g}"
         else:
-            ratio = f"{s.ratio:.3f}"
-        lines.append(f"| {key} | {a.final(key):.4f} | " + " | ".join(f"{f:.4f}" for f in finals) + f" | {ratio} |")
+            ratio = fmt_interval(s.ratio, s.se, s.half_width_95)
+        lines.append(f"| {key} | {target.format()} | " + " | ".join(f.format() for f in s.finals) + f" | {ratio} |")
     return lines
 
 
-def runs_section(a: Run, b: Run, longer: list[Run], mixed: str | None) -> list[str]:
+def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[str]:
     """The corpus and environment of every compared run: what the figures below are on."""
     lines = ["## Runs", ""]
     if mixed:
@@ -176,8 +224,12 @@ def runs_section(a: Run, b: Run, longer: list[Run], mixed: str | None) -> list[s
                   "the optimizers' effect with the data's.", ""]
     else:
         lines += [f"Corpus: {a.corpus} (every run)", ""]
-    lines += [f"- A = {a.describe()}", f"- B = {b.describe()}"]
-    lines += [f"- B, longer: {run.describe()}" for run in longer]
+    for side, arms in (("A", [a]), ("B", [b]), ("B, longer", longer)):
+        for arm in arms:
+            for run in arm.runs:
+                seed = f" seed {run.seed}" if len(arm.runs) > 1 else ""
+                lines.append(f"- {side}{seed} = {run.describe()}" if side != "B, longer"
+                             else f"- {side}: {run.describe()}")
     return lines + [""]
 
 
@@ -193,31 +245,36 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
+    longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
+    try:
+        arms, longer = group_arms(loaded), group_arms(longer_runs)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     swept = len(loaded) > len(args.runs)
-    runs = best_per_optimizer(loaded, BEST_KEY) if swept else loaded
-    runs.sort(key=lambda r: r.optimizer != "muon")
-    if len(runs) < 2:
-        sys.exit(f"error: need two runs to compare, found {[r.label for r in runs]}")
-    a, b = runs[0], runs[1]
-    longer = [load_run(p) for arg in args.longer for p in find_runs(arg)]
-    for run in longer:
-        if run.optimizer != b.optimizer:
-            sys.exit(f"error: --longer run {run.path} is {run.optimizer}, not B's optimizer {b.optimizer}")
-    if longer and final_step(a, BEST_KEY) is None:
+    selected = best_per_optimizer(arms, BEST_KEY) if swept else arms
+    selected.sort(key=lambda r: r.optimizer != "muon")
+    if len(selected) < 2:
+        sys.exit(f"error: need two runs to compare, found {[r.label for r in selected]}")
+    a, b = selected[0], selected[1]
+    for arm in longer:
+        if arm.optimizer != b.optimizer:
+            sys.exit(f"error: --longer run {arm.path} is {arm.optimizer}, not B's optimizer {b.optimizer}")
+    if longer and a.final_step(BEST_KEY) is None:
         sys.exit(f"error: run {a.path} logged no {BEST_KEY}, which the schedule ratio needs")
-    mixed = mixed_corpora(loaded + longer)
+    mixed = mixed_corpora(loaded + longer_runs)
     if mixed and not args.allow_mixed_corpora:
         sys.exit(f"error: {mixed}; pass --allow-mixed-corpora to compare them anyway")
 
     args.out.mkdir(parents=True, exist_ok=True)
+    runs = [run for arm in selected for run in arm.runs]
     keys = loss_keys(runs)
-    written = [plot_losses(runs, keys, args.alpha, args.out),
+    written = [plot_losses(selected, keys, args.alpha, args.out),
                plot_leading_steps(a, b, keys, args.alpha, args.out),
-               plot_family(runs, "optim/update_rms/", "update RMS / lr, per parameter kind", args.out,
+               plot_family(selected, "optim/update_rms/", "update RMS / lr, per parameter kind", args.out,
                            "update_rms.png"),
-               plot_family(runs, "model/output_rms/", "output RMS of each block (residual stream)", args.out,
+               plot_family(selected, "model/output_rms/", "output RMS of each block (residual stream)", args.out,
                            "output_rms.png"),
-               plot_family(runs, "attn/max_logit/", "max attention logit per layer", args.out,
+               plot_family(selected, "attn/max_logit/", "max attention logit per layer", args.out,
                            "max_attn_logit.png")]
     for path in written:
         if path is not None:
@@ -226,11 +283,11 @@ def main() -> None:
     report = runs_section(a, b, longer, mixed)
     if swept:
         report += ["## Sweep: final losses of every run", ""]
-        report += sweep_table(loaded, runs, eval_keys(loaded)) + [""]
+        report += sweep_table(arms, selected, eval_keys(loaded)) + [""]
     report += [f"## In-run leading steps: A = {a.label}, B = {b.label}", "",
-               f"A: {a.path}", f"B: {b.path}", ""]
-    if len(runs) > 2:
-        report += [f"(plotted but not compared: {', '.join(r.label for r in runs[2:])})", ""]
+               f"A: {', '.join(str(r.path) for r in a.runs)}", f"B: {', '.join(str(r.path) for r in b.runs)}", ""]
+    if len(selected) > 2:
+        report += [f"(plotted but not compared: {', '.join(r.label for r in selected[2:])})", ""]
     report += in_run_table(a, b, keys, args.alpha) + [""]
     if longer:
         report += [f"## Schedule ratio: {b.optimizer} with longer schedules vs A's final loss", ""]

@@ -72,15 +72,18 @@ def test_ewm_is_bias_corrected_and_follows_the_recurrence():
         ewm(values, 0.0)
 
 
-def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None) -> None:
-    """A run dir as train.py leaves it; with `corpus`, also its environment.json."""
+def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None,
+              seed: int | None = None) -> None:
+    """A run dir as train.py leaves it; with `corpus`, also its environment.json; with `seed`,
+    a config that names it (runs without one are never grouped as seeds of one setting)."""
     (path / ".hydra").mkdir(parents=True)
     if corpus is not None:
         env = {"git": {"commit": "0123456789abcdef", "dirty": False}, "python": "3.11.7", "torch": "2.13.0",
                "cuda": None, "device": "Test CPU", "world_size": 1, "layout": {"dp": 1, "tp": 1},
                "corpus": {"id": corpus}}
         (path / "environment.json").write_text(json.dumps(env))
-    (path / ".hydra" / "config.yaml").write_text(f"optim:\n  name: {optimizer}\n  lr: {lr}\n")
+    seed_line = "" if seed is None else f"seed: {seed}\n"
+    (path / ".hydra" / "config.yaml").write_text(f"{seed_line}optim:\n  name: {optimizer}\n  lr: {lr}\n")
     with open(path / "metrics.jsonl", "w") as f:
         for step, loss in enumerate(losses, start=1):
             f.write(json.dumps({"step": step, "tokens": step * 10, "train/loss": loss,

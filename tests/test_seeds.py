@@ -1,0 +1,166 @@
+"""Seeds: grouping runs into arms, mean +- standard error, and the errors of both ratios."""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+import pytest
+
+from eval.compare import Run, load_run, schedule_ratio
+from eval.seeds import (
+    Estimate, estimate, group_arms, in_run_ratio_over_seeds, schedule_ratio_over_seeds, seed_pairs, t_975,
+)
+from tests.test_compare import compare, write_run
+
+
+def test_estimate_is_the_mean_and_its_standard_error():
+    est = estimate([1.0, 2.0, 3.0])
+    assert (est.mean, est.n, est.df) == (2.0, 3, 2)
+    assert est.se == pytest.approx(1.0 / math.sqrt(3))  # sample sd 1, over sqrt(n)
+    assert est.half_width_95 == pytest.approx(4.303 / math.sqrt(3))
+    assert est.format(".2f") == "2.00 ± 0.58"
+    single = estimate([5.0])
+    assert single.se is None and single.half_width_95 is None and single.format(".1f") == "5.0"
+    assert estimate([]) is None
+
+
+def test_t_quantiles_never_narrow_the_interval():
+    assert t_975(1) == 12.706 and t_975(2) == 4.303
+    assert t_975(11) == t_975(10) == 2.228  # between entries: the smaller df's, wider value
+    assert t_975(1000) == 1.980 > 1.96
+    with pytest.raises(ValueError):
+        t_975(0)
+
+
+def run(tmp_path, name: str, seed: int | None, lr: float = 1e-3, steps: int = 3, optimizer: str = "muon") -> Run:
+    write_run(tmp_path / name, optimizer, lr, [5.0 - 0.1 * s for s in range(steps)], seed=seed)
+    return load_run(tmp_path / name)
+
+
+def test_runs_that_differ_only_in_seed_form_one_arm(tmp_path):
+    runs = [run(tmp_path, "s1", 1), run(tmp_path, "s0", 0), run(tmp_path, "lr", 0, lr=3e-3),
+            run(tmp_path, "long", 0, steps=5), run(tmp_path, "adamw", 0, optimizer="adamw"),
+            run(tmp_path, "old_a", None), run(tmp_path, "old_b", None)]
+    arms = group_arms(runs)
+    assert [[r.path.name for r in arm.runs] for arm in arms] == [
+        ["s0", "s1"], ["lr"], ["long"], ["adamw"], ["old_a"], ["old_b"]]
+    assert arms[0].label == "muon lr=0.001 (2 seeds)" and arms[0].seeds == [0, 1]
+    # the arm's final is the mean over its seeds, with its standard error
+    assert arms[0].final("train/loss") == pytest.approx(4.8)
+    assert arms[0].final_estimate("train/loss").se == 0.0
+
+
+def test_a_repeated_seed_is_refused_not_counted_twice(tmp_path):
+    with pytest.raises(ValueError, match="same settings and seed 0"):
+        group_arms([run(tmp_path, "a", 0), run(tmp_path, "b", 0)])
+
+
+def test_the_mean_curve_and_band_use_the_steps_every_seed_logged(tmp_path):
+    write_run(tmp_path / "s0", "muon", 1e-3, [4.0, 3.0, 2.0], seed=0)
+    write_run(tmp_path / "s1", "muon", 1e-3, [6.0, 5.0, 4.0], seed=1)
+    arm = group_arms([load_run(tmp_path / "s0"), load_run(tmp_path / "s1")])[0]
+    steps, means, ses = arm.curve("train/loss")
+    assert steps == [1, 2, 3] and means == [5.0, 4.0, 3.0]
+    assert ses == pytest.approx([math.sqrt(2) / math.sqrt(2)] * 3)  # sd sqrt(2), n 2
+
+
+def test_in_run_ratios_are_taken_within_seed_pairs(tmp_path):
+    """Muon's loss c/s against AdamW's k*c/s, per seed: AdamW's final is Muon's at 40/k, so the
+    pair's ratio is k, whatever c; the mean and error are over the pairs' k."""
+    ks = {0: 1.25, 1: 1.6, 2: 2.0}
+    for seed, k in ks.items():
+        c = 10.0 + seed  # a seed moves both optimizers' losses alike
+        write_run(tmp_path / f"m{seed}", "muon", 3e-3, [c / s for s in range(1, 41)], seed=seed)
+        write_run(tmp_path / f"a{seed}", "adamw", 1e-3, [k * c / s for s in range(1, 41)], seed=seed)
+    write_run(tmp_path / "a9", "adamw", 1e-3, [5.0 / s for s in range(1, 41)], seed=9)  # no partner
+    muon, adamw = group_arms([load_run(tmp_path / f"m{s}") for s in ks] +
+                             [load_run(tmp_path / f"a{s}") for s in (9, *ks)])
+    assert [(x.seed, y.seed) for x, y in seed_pairs(muon, adamw)] == [(0, 0), (1, 1), (2, 2)]
+    r = in_run_ratio_over_seeds(muon, adamw, "train/loss", lambda run, key: run.series[key])
+    assert r.reference == "B" and r.ratio.n == 3
+    assert r.ratio.mean == pytest.approx(statistics.fmean(ks.values()), abs=1e-9)
+    assert r.ratio.se == pytest.approx(statistics.stdev(ks.values()) / math.sqrt(3), abs=1e-9)
+
+
+def test_schedule_ratio_error_matches_finite_differences():
+    """The delta-method error: each input's standard error times the ratio's derivative in it,
+    the derivatives taken numerically from the plain schedule ratio."""
+    lengths = [1.0, 1.25, 1.5, 2.0]
+    finals = [Estimate(3.0, 0.02, 3, 2), Estimate(2.9, 0.03, 3, 2), Estimate(2.8, 0.01, 3, 2),
+              Estimate(2.6, 0.04, 4, 3)]
+    target = Estimate(2.73, 0.015, 3, 2)
+    s = schedule_ratio_over_seeds(target, lengths, finals)
+    means = [f.mean for f in finals]
+    assert s.ratio == pytest.approx(schedule_ratio(2.73, lengths, means).ratio) == pytest.approx(1.675)
+    h = 1e-6
+
+    def derivative(shift_target: float = 0.0, index: int | None = None) -> float:
+        moved = [m + (h if i == index else 0.0) for i, m in enumerate(means)]
+        return (schedule_ratio(2.73 + shift_target, lengths, moved).ratio - s.ratio) / h
+
+    terms = [derivative(shift_target=h) * target.se] + [derivative(index=i) * f.se for i, f in enumerate(finals)]
+    assert s.se == pytest.approx(math.sqrt(sum(t * t for t in terms)), rel=1e-4)
+    assert s.df == 2 and s.half_width_95 == pytest.approx(4.303 * s.se)
+    # no error from a single seed, and none when the shortest schedule already reaches it
+    single = [Estimate(f.mean, None, 1) for f in finals]
+    assert schedule_ratio_over_seeds(target, lengths, single).se is None
+    assert schedule_ratio_over_seeds(Estimate(3.1, 0.01, 3, 2), lengths, finals).se is None
+
+
+def interval(cell: str) -> tuple[float, float, float, float]:
+    """`1.563 ± 0.013 (95% CI 1.50 to 1.62)` -> (1.563, 0.013, 1.50, 1.62)."""
+    m = re.fullmatch(r"\s*([\d.]+) ± ([\d.]+) \(95% CI ([\d.]+) to ([\d.]+)\)\s*", cell)
+    assert m, cell
+    return tuple(float(x) for x in m.groups())  # type: ignore[return-value]
+
+
+def test_cli_reports_seeds_as_mean_and_error_with_an_interval(tmp_path):
+    """Three seeds per arm, losses c/s. AdamW: c = 14.6, 15, 15.4 at 40, 60 and 80 steps, so
+    its mean finals are 0.375, 0.25 and 0.1875. Muon: 40 steps, c chosen so that it reaches
+    each seed's AdamW final at step 24, 25 and 26: in-run ratios 40/24, 40/25, 40/26."""
+    c_adamw, crossing = [14.6, 15.0, 15.4], [24, 25, 26]
+    c_muon = [c * n / 40 for c, n in zip(c_adamw, crossing)]
+    for seed in range(3):
+        write_run(tmp_path / "sweep" / f"m{seed}", "muon", 3e-3, [c_muon[seed] / s for s in range(1, 41)], seed=seed)
+        for steps, where in ((40, "sweep"), (60, "longer"), (80, "longer")):
+            write_run(tmp_path / where / f"a{steps}_{seed}", "adamw", 1e-3,
+                      [c_adamw[seed] / s for s in range(1, steps + 1)], seed=seed)
+    proc = compare(tmp_path, str(tmp_path / "sweep"), "--longer", str(tmp_path / "longer"), "--alpha", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    muon_finals = [c / 40 for c in c_muon]
+    mean, se = statistics.fmean(muon_finals), statistics.stdev(muon_finals) / math.sqrt(3)
+    assert f"| muon (best) | 0.003 | 0,1,2 | {mean + 0.1:.4f} ± {se:.4f} | {mean + 1:.4f} ± {se:.4f} |" in lines
+    assert "- A seed 2 = muon lr=0.003: corpus unknown; no environment.json " \
+        f"({tmp_path / 'sweep' / 'm2'})" in lines
+    # in-run, per seed pair; the 95% interval uses t with 2 degrees of freedom
+    pair_ratios = [40 / n for n in crossing]
+    row = next(line for line in lines if line.startswith("| val/val/loss ") and "at the" not in line)
+    got = interval(row.split("|")[-3])
+    expected_se = statistics.stdev(pair_ratios) / math.sqrt(3)
+    assert got == pytest.approx((statistics.fmean(pair_ratios), expected_se,
+                                 statistics.fmean(pair_ratios) - 4.303 * expected_se,
+                                 statistics.fmean(pair_ratios) + 4.303 * expected_se), abs=0.006)
+    assert row.split("|")[-2].strip() == "B"
+    # honest: Muon's mean final lies between AdamW's 1.5x (0.25) and 2x (0.1875) means
+    t = (0.25 - mean) / (0.25 - 0.1875)
+    ratio, slope = 1.5 + 0.5 * t, 0.0625 / 0.5
+    se_60, se_80 = statistics.stdev(c_adamw) / 60 / math.sqrt(3), statistics.stdev(c_adamw) / 80 / math.sqrt(3)
+    ratio_se = math.sqrt(se ** 2 + ((1 - t) * se_60) ** 2 + (t * se_80) ** 2) / slope
+    honest = lines[next(i for i, line in enumerate(lines) if line.startswith("## Schedule ratio")):]
+    for key in ("val/val/loss", "val/ood_prose/loss"):
+        row = next(line for line in honest if line.startswith(f"| {key} "))
+        assert interval(row.split("|")[-2]) == pytest.approx(
+            (ratio, ratio_se, ratio - 4.303 * ratio_se, ratio + 4.303 * ratio_se), abs=0.006), row
+    assert (tmp_path / "cmp" / "losses.png").stat().st_size > 1000
+
+
+def test_cli_refuses_a_repeated_seed_in_one_line(tmp_path):
+    write_run(tmp_path / "sweep" / "m0", "muon", 3e-3, [3.0, 2.0], seed=0)
+    write_run(tmp_path / "sweep" / "m0_again", "muon", 3e-3, [3.0, 2.1], seed=0)
+    write_run(tmp_path / "sweep" / "a0", "adamw", 1e-3, [3.0, 2.5], seed=0)
+    proc = compare(tmp_path, str(tmp_path / "sweep"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1
+    assert lines[0].startswith("error: runs ") and "same settings and seed 0" in lines[0]
