@@ -275,7 +275,13 @@ def main() -> None:
                plot_family(selected, "model/output_rms/", "output RMS of each block (residual stream)", args.out,
                            "output_rms.png"),
                plot_family(selected, "attn/max_logit/", "max attention logit per layer", args.out,
-                           "max_attn_logit.png")]
+                           "max_attn_logit.png"),
+               # MoE runs only: how evenly each layer's router spreads tokens, and how far the
+               # aux-loss-free bias had to move to get there
+               plot_family(selected, "moe/load_imbalance/", "MoE load imbalance (max / mean tokens per expert)",
+                           args.out, "moe_load_imbalance.png"),
+               plot_family(selected, "moe/bias_spread/", "MoE expert bias spread (max - min)", args.out,
+                           "moe_expert_bias.png")]
     for path in written:
         if path is not None:
             print(f"wrote {path}")

@@ -151,7 +151,8 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
     write_run(tmp_path / "longer" / "0", "adamw", 1e-3, curve(1.5, 60))
     write_run(tmp_path / "longer" / "1", "adamw", 1e-3, curve(1.5, 80))
     with open(tmp_path / "sweep" / "0" / "metrics.jsonl", "a") as f:  # health metrics get plots
-        f.write(json.dumps({"step": 40, "optim/update_rms/mlp_in": 0.2, "model/output_rms/final": 1.0}) + "\n")
+        f.write(json.dumps({"step": 40, "optim/update_rms/mlp_in": 0.2, "model/output_rms/final": 1.0,
+                            "moe/load_imbalance/layer_1": 1.3, "moe/bias_spread/layer_1": 0.02}) + "\n")
     proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "sweep"),
                            "--longer", str(tmp_path / "longer"), "--out", str(tmp_path / "cmp")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -167,8 +168,9 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
     for key in ("val/val/loss", "val/ood_prose/loss"):
         row = next(line for line in honest if line.startswith(f"| {key} "))
         assert row.replace(" ", "").endswith("|1.500|"), row
-    for name in ("update_rms.png", "output_rms.png"):
+    for name in ("update_rms.png", "output_rms.png", "moe_load_imbalance.png", "moe_expert_bias.png"):
         assert (tmp_path / "cmp" / name).stat().st_size > 1000
+    assert not (tmp_path / "cmp" / "max_attn_logit.png").exists()  # a family no run logged
 
 
 def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
