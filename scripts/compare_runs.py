@@ -149,20 +149,32 @@ def fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def sweep_table(arms: list[Arm], best: list[Arm], keys: list[str]) -> list[str]:
-    """Every arm's final losses; with several seeds, a seeds column and mean +- standard error."""
+def sweep_table(arms: list[Arm], best: list[Arm], keys: list[str], with_steps: bool = False) -> list[str]:
+    """Every arm's final losses; with several seeds, a seeds column and mean +- standard error;
+    `with_steps` adds each arm's length (for the longer schedules, tuned per length)."""
     seeded = any(len(arm.runs) > 1 for arm in arms)
-    head = ["optimizer", "lr"] + (["seeds"] if seeded else []) + [f"final {k}" for k in keys]
-    lines = ["| " + " | ".join(head) + " |",
-             "| --- | ---: | " + ("---: | " if seeded else "") + " | ".join("---:" for _ in keys) + " |"]
-    for arm in sorted(arms, key=lambda r: (r.optimizer, r.lr if r.lr is not None else 0.0)):
+    head = (["optimizer"] + (["steps"] if with_steps else []) + ["lr"] + (["seeds"] if seeded else [])
+            + [f"final {k}" for k in keys])
+    lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:]) + " |"]
+    for arm in sorted(arms, key=lambda r: (r.optimizer, (r.final_step(BEST_KEY) or 0) if with_steps else 0,
+                                           r.lr if r.lr is not None else 0.0)):
         mark = " (best)" if any(arm is r for r in best) else ""
-        cells = [f"{arm.optimizer}{mark}", "-" if arm.lr is None else f"{arm.lr:g}"]
+        cells = [f"{arm.optimizer}{mark}"] + ([fmt(arm.final_step(BEST_KEY), "d")] if with_steps else [])
+        cells.append("-" if arm.lr is None else f"{arm.lr:g}")
         if seeded:
             cells.append(",".join(str(s) for s in arm.seeds))
         cells += [fmt_estimate(arm.final_estimate(k)) for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def best_per_length(arms: list[Arm]) -> list[Arm]:
+    """B at each schedule length: its best lr there (lowest mean final val loss). A longer
+    schedule usually wants a lower lr, so reusing the lr tuned at 1x would flatter A."""
+    by_length: dict[int, list[Arm]] = {}
+    for arm in arms:
+        by_length.setdefault(arm.final_step(BEST_KEY) or 0, []).append(arm)
+    return [best for length in sorted(by_length) for best in best_per_optimizer(by_length[length], BEST_KEY)]
 
 
 def fmt_estimate(est, spec: str = ".4f") -> str:
@@ -195,8 +207,8 @@ def in_run_table(a: Arm, b: Arm, keys: list[str], alpha: float) -> list[str]:
     return lines
 
 
-def honest_table(a: Arm, b: Arm, longer: list[Arm], keys: list[str]) -> list[str]:
-    arms_b = sorted([b] + longer, key=lambda arm: arm.final_step(BEST_KEY) or 0)
+def honest_table(a: Arm, arms_b: list[Arm], keys: list[str]) -> list[str]:
+    """B's final at each length (`arms_b`, one per length, ascending) against A's final."""
     steps_a = a.final_step(BEST_KEY)
     lengths = [(arm.final_step(BEST_KEY) or 0) / steps_a for arm in arms_b]
     lines = ["| loss | A final | " + " | ".join(f"B at {x:g}x" for x in lengths) + " | schedule ratio B/A |",
@@ -213,7 +225,8 @@ def honest_table(a: Arm, b: Arm, longer: list[Arm], keys: list[str]) -> list[str
         else:
             ratio = fmt_interval(s.ratio, s.se, s.half_width_95)
         lines.append(f"| {key} | {target.format()} | " + " | ".join(f.format() for f in s.finals) + f" | {ratio} |")
-    return lines
+    lrs = ", ".join(f"{x:g}x {'-' if arm.lr is None else format(arm.lr, 'g')}" for x, arm in zip(lengths, arms_b))
+    return lines + ["", f"B's lr at each length: {lrs}"]
 
 
 def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[str]:
@@ -296,8 +309,12 @@ def main() -> None:
         report += [f"(plotted but not compared: {', '.join(r.label for r in selected[2:])})", ""]
     report += in_run_table(a, b, keys, args.alpha) + [""]
     if longer:
+        arms_b = best_per_length([b] + longer)
+        if len(arms_b) < len(longer) + 1:  # several lrs at some length: show the tuning
+            report += [f"## Longer schedules: every lr of {b.optimizer}, the best per length marked", ""]
+            report += sweep_table([b] + longer, arms_b, eval_keys(runs), with_steps=True) + [""]
         report += [f"## Schedule ratio: {b.optimizer} with longer schedules vs A's final loss", ""]
-        report += honest_table(a, b, longer, eval_keys(runs)) + [""]
+        report += honest_table(a, arms_b, eval_keys(runs)) + [""]
     (args.out / "summary.md").write_text("\n".join(report))
     print("\n" + "\n".join(report))
     print(f"wrote {args.out / 'summary.md'}")

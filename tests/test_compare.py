@@ -173,6 +173,29 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
     assert not (tmp_path / "cmp" / "max_attn_logit.png").exists()  # a family no run logged
 
 
+def test_the_schedule_ratio_takes_the_best_lr_at_each_length(tmp_path):
+    """AdamW re-tuned per length: at 60 steps lr 5e-4 beats 1e-3, at 80 steps 1e-3 wins."""
+    def curve(scale: float, steps: int) -> list[float]:
+        return [scale * 10.0 / s for s in range(1, steps + 1)]
+
+    write_run(tmp_path / "muon", "muon", 3e-3, curve(1.0, 40))
+    write_run(tmp_path / "adamw", "adamw", 1e-3, curve(1.5, 40))
+    for name, lr, scale, steps in (("a", 1e-3, 1.5, 60), ("b", 5e-4, 1.4, 60), ("c", 1e-3, 1.5, 80),
+                                   ("d", 5e-4, 1.55, 80)):
+        write_run(tmp_path / "longer" / name, "adamw", lr, curve(scale, steps))
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), "--longer", str(tmp_path / "longer"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "| adamw (best) | 60 | 0.0005 | 0.3333 | 1.2333 |" in lines
+    assert "| adamw | 60 | 0.001 | 0.3500 | 1.2500 |" in lines
+    assert "B's lr at each length: 1x 0.001, 1.5x 0.0005, 2x 0.001" in lines
+    # Muon's final val 0.35 lies between AdamW's 0.475 (1x) and 0.3333 (1.5x, lr 5e-4)
+    t = (0.475 - 0.35) / (0.475 - (1.4 * 10 / 60 + 0.1))
+    row = next(line for line in lines if line.startswith("| val/val/loss ") and "B at 1.5x" not in line
+               and line.count("|") == 7)
+    assert row.endswith(f"| {1 + 0.5 * t:.3f} |"), row
+
+
 def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0])
     write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5])
