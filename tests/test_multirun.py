@@ -260,7 +260,8 @@ def test_experiment_configs_pin_the_comparison(experiment, model, experts, optim
 @pytest.mark.parametrize("optim", ["muon", "adamw"])
 def test_reference_cpu_pins_what_docs_results_states(optim):
     """docs/results.md quotes these settings: 240 steps x 2048 tokens, fp32 (training and
-    Newton-Schulz), cosine to 0 after 24 warmup steps, weight decay 0.1, 4 lrs per optimizer."""
+    Newton-Schulz), cosine to 0 after 24 warmup steps, weight decay 0.1, and an lr grid that
+    holds both optimizers' best lrs inside it (AdamW 1e-3, Muon 1e-2)."""
     typed = to_dataclass(compose(["+experiment=reference_cpu", f"optim={optim}"]))
     validate(typed)
     assert (typed.model.name, typed.optim.name, typed.seed) == ("gpt_small", optim, 0)
@@ -271,7 +272,7 @@ def test_reference_cpu_pins_what_docs_results_states(optim):
     assert (o.schedule, o.warmup_steps, o.min_lr, o.weight_decay) == ("cosine", 24, 0.0, 0.1)
     assert (typed.eval.interval, typed.eval.batches * typed.eval.batch_size) == (24, 48)
     params = compose_with_hydra(["+experiment=reference_cpu"]).hydra.sweeper.params
-    assert dict(params) == {"optim": "adamw,muon", "optim.lr": "3e-4,1e-3,3e-3,1e-2"}
+    assert dict(params) == {"optim": "adamw,muon", "optim.lr": "3e-4,1e-3,3e-3,1e-2,3e-2"}
 
 
 def test_sweep_dirs_hold_every_optimizer_and_name_jobs_by_their_overrides():
