@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from eval.compare import Run, Series, first_reach, in_run_ratio
+from eval.compare import Run, Series, final_step, first_reach, in_run_ratio
 
 # Config keys that do not change what a run computes, so runs that differ only in them are
 # seeds of one arm: the seed itself, the run's name, where and how it logs, checkpoints and
@@ -110,8 +110,7 @@ class Arm:
         return None if est is None else est.mean
 
     def final_step(self, key: str) -> Optional[int]:
-        steps = self.first.series.get(key, ([], []))[0]
-        return steps[-1] if steps else None
+        return final_step(self.first, key)  # every seed of an arm ran equally long
 
     def curve(self, key: str, curve_of: Optional[CurveOf] = None
               ) -> Optional[tuple[list[int], list[float], list[Optional[float]]]]:
@@ -203,7 +202,9 @@ class SeededScheduleRatio:
 
     @property
     def half_width_95(self) -> Optional[float]:
-        return None if self.se is None or not self.df else t_975(self.df) * self.se
+        if self.ratio is None:
+            return None
+        return Estimate(self.ratio, self.se, 0, self.df).half_width_95
 
 
 def schedule_ratio_over_seeds(target: Estimate, lengths: list[float], finals: list[Estimate]

@@ -57,6 +57,11 @@ def smoothed(run: Run, key: str, alpha: float):
     return steps, (ewm(values, alpha) if key == "train/loss" else values)
 
 
+def smoothing(alpha: float):
+    """smoothed() as a run's curve of a metric, the form Arm and the seed ratios take."""
+    return lambda run, key: smoothed(run, key, alpha)
+
+
 def _pyplot():
     import matplotlib
 
@@ -83,7 +88,7 @@ def plot_losses(arms: list[Arm], keys: list[str], alpha: float, out: Path) -> Pa
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
         for arm in arms:
-            plot_curve(ax, arm, key, lambda run, k: smoothed(run, k, alpha))
+            plot_curve(ax, arm, key, smoothing(alpha))
         ax.set_title(key + (f" (EWM alpha={alpha})" if key == "train/loss" else ""))
         ax.set_xlabel("step")
         ax.legend()
@@ -100,8 +105,7 @@ def plot_leading_steps(a: Arm, b: Arm, keys: list[str], alpha: float, out: Path)
     plt = _pyplot()
     fig, axes = plt.subplots(len(keys), 2, figsize=(10, 3.5 * len(keys)), squeeze=False)
     for row, key in zip(axes, keys):
-        curve_of = lambda run, k: smoothed(run, k, alpha)  # noqa: E731
-        mean_a, mean_b = a.mean_series(key, curve_of), b.mean_series(key, curve_of)
+        mean_a, mean_b = a.mean_series(key, smoothing(alpha)), b.mean_series(key, smoothing(alpha))
         if mean_a is None or mean_b is None:
             continue
         leads = leading_steps(mean_a, mean_b)
@@ -196,7 +200,7 @@ def in_run_table(a: Arm, b: Arm, keys: list[str], alpha: float) -> list[str]:
     lines = ["| loss | A final | B final | B steps | A steps | ratio B/A | at the final loss of |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for key in keys:
-        r = in_run_ratio_over_seeds(a, b, key, lambda run, k: smoothed(run, k, alpha))
+        r = in_run_ratio_over_seeds(a, b, key, smoothing(alpha))
         if r is None and (a.final(key) is None or b.final(key) is None):
             continue
         cells = ["-", "-", "-", "-"] if r is None else [
@@ -237,12 +241,11 @@ def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[s
                   "the optimizers' effect with the data's.", ""]
     else:
         lines += [f"Corpus: {a.corpus} (every run)", ""]
-    for side, arms in (("A", [a]), ("B", [b]), ("B, longer", longer)):
-        for arm in arms:
-            for run in arm.runs:
-                seed = f" seed {run.seed}" if len(arm.runs) > 1 else ""
-                lines.append(f"- {side}{seed} = {run.describe()}" if side != "B, longer"
-                             else f"- {side}: {run.describe()}")
+    for side, arm in (("A", a), ("B", b)):
+        for run in arm.runs:
+            seed = f" seed {run.seed}" if len(arm.runs) > 1 else ""
+            lines.append(f"- {side}{seed} = {run.describe()}")
+    lines += [f"- B, longer: {run.describe()}" for arm in longer for run in arm.runs]
     return lines + [""]
 
 
