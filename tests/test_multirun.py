@@ -257,21 +257,25 @@ def test_experiment_configs_pin_the_comparison(experiment, model, experts, optim
     assert dict(params) == {"optim": "muon,adamw", "optim.lr": "1e-3,3e-3,1e-2"}
 
 
+@pytest.mark.parametrize("experiment, model, experts", [
+    ("reference_cpu", "gpt_small", 0),
+    ("reference_cpu_moe", "moe_small", 8),
+])
 @pytest.mark.parametrize("optim", ["muon", "adamw"])
-def test_reference_cpu_pins_what_docs_results_states(optim):
-    """docs/results.md quotes these settings: 240 steps x 2048 tokens, fp32 (training and
-    Newton-Schulz), cosine to 0 after 24 warmup steps, weight decay 0.1, and an lr grid that
-    holds both optimizers' best lrs inside it (AdamW 1e-3, Muon 1e-2)."""
-    typed = to_dataclass(compose(["+experiment=reference_cpu", f"optim={optim}"]))
+def test_reference_cpu_pins_what_docs_results_states(experiment, model, experts, optim):
+    """docs/results.md quotes these settings, for the dense and the MoE halves alike: 240 steps
+    x 2048 tokens, fp32 (training and Newton-Schulz), cosine to 0 after 24 warmup steps, weight
+    decay 0.1, and an lr grid that holds both optimizers' best lrs inside it."""
+    typed = to_dataclass(compose([f"+experiment={experiment}", f"optim={optim}"]))
     validate(typed)
-    assert (typed.model.name, typed.optim.name, typed.seed) == ("gpt_small", optim, 0)
+    assert (typed.model.name, typed.model.n_experts, typed.optim.name, typed.seed) == (model, experts, optim, 0)
     t = typed.trainer
     assert (t.max_steps, t.batch_size * t.seq_len * t.grad_accum) == (240, 2048)
     assert (t.precision, typed.optim.muon.ns_dtype) == ("fp32", "fp32")
     o = typed.optim
     assert (o.schedule, o.warmup_steps, o.min_lr, o.weight_decay) == ("cosine", 24, 0.0, 0.1)
     assert (typed.eval.interval, typed.eval.batches * typed.eval.batch_size) == (24, 48)
-    params = compose_with_hydra(["+experiment=reference_cpu"]).hydra.sweeper.params
+    params = compose_with_hydra([f"+experiment={experiment}"]).hydra.sweeper.params
     assert dict(params) == {"optim": "adamw,muon", "optim.lr": "3e-4,1e-3,3e-3,1e-2,3e-2"}
 
 
