@@ -8,11 +8,24 @@
 """
 from __future__ import annotations
 
+import signal
+import sys
+
+
+def _interrupted_during_startup(signum, frame) -> None:
+    # Ctrl-C before training starts (importing torch, building the corpus, the model) has
+    # nothing to save: exit as a shell expects (128 + SIGINT), without a traceback. Once
+    # training runs, the trainer takes SIGINT over and checkpoints before exiting.
+    raise SystemExit(130)
+
+
+signal.signal(signal.SIGINT, _interrupted_during_startup)
+
+# The imports below come after the handler: importing torch alone takes seconds.
 import atexit
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 

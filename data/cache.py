@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.atomic import atomic_output
 from data.hashing import digest
-from data.sources import Document, Source
+from data.sources import DataConfigError, Document, Source
 
 # Bump when the layout changes (e.g. how documents are separated) to invalidate old caches.
 # 2: the meta holds the tokens' sha256.
@@ -116,7 +116,7 @@ def build_tokens(
     if n_tokens == 0:
         paths.tokens.unlink()
         hint = getattr(source, "empty_hint", "")
-        raise ValueError(f"data split {name!r} has no text (its source yielded no non-empty documents){hint}")
+        raise DataConfigError(f"data split {name!r} has no text (its source yielded no non-empty documents){hint}")
     meta = {"key": key, "dtype": dtype.name, "n_tokens": n_tokens, "sha256": digest.hexdigest()}
     with atomic_output(paths.meta) as f:
         f.write(json.dumps(meta, indent=1).encode("utf-8"))

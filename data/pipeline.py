@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from data.cache import TokenSplit, cached_tokens
 from data.config import DataConfig
 from data.hashing import digest
-from data.sources import CorpusReport, PinnedSource, Source, check_data_config, eval_source, train_val_sources
+from data.sources import CorpusReport, DataConfigError, PinnedSource, Source, check_data_config, eval_source, train_val_sources
 from data.tokenizer import (
     build_trained,
     load_pretrained,
@@ -119,7 +119,7 @@ def check_against_manifest(sources: list[Source]) -> list[CorpusReport]:
     return reports
 
 
-def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: int) -> None:
+def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: int, val_fraction: float) -> None:
     """Fail now, naming the split, rather than at the first batch.
 
     Training needs two window offsets at least (see TrainBatches), evaluation one window.
@@ -128,7 +128,12 @@ def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: 
     needs.update((name, (tokens, seq_len + 1)) for name, tokens in eval_sets.items())
     for name, (tokens, needed) in needs.items():
         if len(tokens) < needed:
-            raise ValueError(f"data split {name!r} has {len(tokens)} tokens; seq_len {seq_len} needs {needed}")
+            fix = "a shorter trainer.seq_len or more text"
+            if name in ("train", "val"):
+                fix += f", or another data.val_fraction (now {val_fraction}; train has {len(train)} tokens)"
+            raise DataConfigError(
+                f"data split {name!r} has {len(tokens)} tokens; trainer.seq_len={seq_len} needs {needed}: use {fix}"
+            )
 
 
 def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData:
@@ -149,7 +154,7 @@ def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData
     train = splits["train"].tokens
     eval_sets = {name: split.tokens for name, split in splits.items() if name != "train"}
     if seq_len is not None:
-        check_lengths(train, eval_sets, seq_len)
+        check_lengths(train, eval_sets, seq_len, cfg.val_fraction)
     return PreparedData(
         tokenizer, len(tokenizer), tokenizer.eos_token_id, train, eval_sets, tokenizer_id,
         vocabulary_hash(tokenizer), {name: split.sha256 for name, split in splits.items()}, reports,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterable, Iterator, Optional, Protocol
 
 from data.config import DataConfig, EvalSourceConfig
+from data.file_checks import explain_load_failure
 from data.hashing import hash_fraction
 from data.manifest import SPLITTERS, TOPICS_FILE, CorpusPart, Manifest, Selection, read_topics, select, stream_digest
 
@@ -74,7 +75,18 @@ class HashSplit:
 
     @property
     def empty_hint(self) -> str:
-        return getattr(self.base, "empty_hint", "")
+        """Read only when this side came out empty: how the split fell, counted again."""
+        total = held_out = 0
+        for doc_id, text in self.base.documents():
+            total += 1
+            held_out += is_held_out(self.base.split_key(doc_id, text), self.val_fraction)
+        base_hint = getattr(self.base, "empty_hint", "")
+        if total == 0:
+            return base_hint  # nothing to split: the source itself is empty
+        mine = held_out if self.part == "val" else total - held_out
+        side = "holds out" if self.part == "val" else "leaves for training"
+        return (f"; data.val_fraction={self.val_fraction} {side} {mine} of the source's {total} documents: "
+                f"give it more text, or change data.val_fraction{base_hint}")
 
     def documents(self) -> Iterator[Document]:
         want_val = self.part == "val"
@@ -258,10 +270,27 @@ class HFSource:
     def dataset(self) -> Any:
         import datasets
 
-        return datasets.load_dataset(
-            self.path, self.dataset_config,
-            data_files=self.data_files, split=self.split, streaming=self.streaming,
-        )
+        try:
+            return datasets.load_dataset(
+                self.path, self.dataset_config,
+                data_files=self.data_files, split=self.split, streaming=self.streaming,
+            )
+        except Exception as err:  # what `datasets` raises names neither the file nor the problem
+            raise self._load_error(err) from err
+
+    def _load_error(self, err: Exception) -> DataConfigError:
+        return DataConfigError(f"{self.key}: cannot load {self.path!r}: "
+                               f"{explain_load_failure(self._local_files(), self.path, err)}")
+
+    def _local_files(self) -> list[Path]:
+        """The local files this source reads, in order (none for a hub dataset)."""
+        files = [p for matches in local_data_files(self.path, self.data_files).values() for p in matches]
+        local = Path(self.path).expanduser()
+        if not files and local.is_file():
+            files = [local]
+        elif not files and local.is_dir() and self.path not in ("json", "text", "csv", "parquet"):
+            files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+        return files
 
     def fingerprint(self) -> dict[str, Any]:
         files = local_data_files(self.path, self.data_files)
@@ -302,7 +331,14 @@ class HFSource:
         if ds.column_names is not None:
             self._require_text_field(ds.column_names)
             ds = ds.select_columns([self.text_field])
-        for batch in ds.iter(batch_size=HF_BATCH_ROWS):
+        batches = ds.iter(batch_size=HF_BATCH_ROWS)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as err:  # a streaming dataset parses its files only here
+                raise self._load_error(err) from err
             # A streaming dataset may only reveal its columns here.
             self._require_text_field(batch)
             yield from batch[self.text_field]

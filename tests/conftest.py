@@ -46,3 +46,13 @@ def compose(overrides: list[str] | None = None):
 @pytest.fixture
 def compose_cfg():
     return compose
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep `datasets`' own arrow cache inside the test's directory (and skip, saying so,
+    where `datasets` is not installed)."""
+    datasets = pytest.importorskip("datasets", reason="data=hf loads files with datasets; not installed here "
+                                                      "(requirements.txt has it)")
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))

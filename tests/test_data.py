@@ -252,7 +252,8 @@ def test_prepare_stdlib_tokens_hold_the_split_documents(tmp_path):
     assert len(pinned_prose) > 50
     assert documents_in(data.eval_sets["ood_prose"], data.tokenizer) == pinned_prose
     too_long = len(data.eval_sets["val"])
-    with pytest.raises(ValueError, match=f"'val' has {too_long} tokens; seq_len {too_long} needs {too_long + 1}"):
+    with pytest.raises(DataConfigError, match=f"'val' has {too_long} tokens; trainer.seq_len={too_long} needs "
+                       f"{too_long + 1}: .*data.val_fraction \\(now {cfg.val_fraction}; train has {len(data.train)} tokens"):
         prepare_data(cfg, seq_len=too_long)
 
 
@@ -310,16 +311,6 @@ def test_a_different_tokenizer_gets_a_different_cache(tmp_path, small_tokenizer)
 
 
 # ---- data=hf on local files ----
-
-
-@pytest.fixture
-def hf_cache(tmp_path, monkeypatch):
-    """Keep `datasets`' own arrow cache inside the test's directory (and skip, saying so,
-    where `datasets` is not installed)."""
-    datasets = pytest.importorskip("datasets", reason="data=hf loads files with datasets; not installed here "
-                                                      "(requirements.txt has it)")
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
 
 
 def write_corpus(path: Path) -> list[str]:

@@ -1,7 +1,9 @@
-"""Faults: NaN steps, preemption signals and kill -9 never lose work or corrupt a run."""
+"""Faults: NaN steps, divergence, preemption signals, kill -9 and unusable checkpoints never
+lose work or corrupt a run; bad input found late still stops with one line."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,18 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.config import DataConfig
+from data.pipeline import prepare_data
+from data.sources import DataConfigError, HFSource, is_held_out
 from tests.conftest import REPO
 from tests.test_checkpoint import COMMON, make_trainer
+from trainer import checkpoint
 from trainer.loop import NonFiniteLoss
 
 
-def poison_step(trainer, bad_step: int) -> None:
-    """Make the loss NaN on one optimizer step (1-based), as a bad batch would."""
+def poison_step(trainer, *bad_steps: int) -> None:
+    """Make the loss NaN on these optimizer steps (1-based), as bad batches would."""
     forward = trainer.forward
 
     def maybe_nan(x, y):
         loss = forward(x, y)
-        return loss * float("nan") if trainer.step + 1 == bad_step else loss
+        return loss * float("nan") if trainer.step + 1 in bad_steps else loss
 
     trainer.forward = maybe_nan
 
@@ -170,3 +176,201 @@ def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identicall
     subprocess.run(["kill", "-9", workers[-1]], check=True)  # rank 1 dies
     assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
     assert final_losses(run_dir) == final_losses(tmp_path / "straight")
+
+
+# ---- divergence: a bound on skipped steps, no checkpoint of NaN weights, the good one kept ----
+
+
+def cli(run_dir: Path, *extra: str, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    """train.py on COMMON, `extra` replacing any COMMON value of the same key."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    args = [a for a in COMMON if a.split("=", 1)[0] not in keys]
+    return subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", *args, *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a failed run, with no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def all_finite(path: Path) -> bool:
+    state = checkpoint.load(path)
+    tensors = [*state["params"].values(), *(t for entry in state["optim"].values() for t in entry.values())]
+    return all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_a_huge_lr_stops_the_run_with_exit_3_naming_the_last_good_checkpoint(tmp_path, optim):
+    """lr=1e4 blows the weights up within a few steps. Before: 17 of 20 steps skipped one by
+    one, rc 0, and checkpoints that rotated every good one out. Now: the run stops after
+    trainer.nonfinite_max_consecutive skips in a row, every checkpoint written is finite, and
+    the last good one (the newest whose weights trained a finite step) survives keep=2."""
+    proc = cli(tmp_path, f"optim={optim}", "optim.lr=1e4", "trainer.batch_size=2", "trainer.max_steps=40",
+               "checkpoint.interval=1", "checkpoint.keep=2", "trainer.nonfinite_max_consecutive=5")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    line = error_line(proc)
+    assert line.startswith("error: diverged: 5 consecutive steps had non-finite loss/gradients")
+    losses = {}
+    for record in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()):
+        losses[record["step"]] = record["train/loss"]
+    first_nan = min(step for step, loss in losses.items() if not math.isfinite(loss))
+    assert first_nan >= 3 and all(math.isfinite(losses[s]) for s in range(1, first_nan))
+    # The 5th skip in a row (step first_nan + 4) stops the run before that step is logged or
+    # checkpointed, long before step 40.
+    assert max(losses) == first_nan + 3
+    # The weights saved after step first_nan - 1 gave the NaN; those after first_nan - 2 trained on.
+    good = tmp_path / "checkpoints" / f"step_{first_nan - 2:08d}.pt"
+    assert line.endswith(f"Last good checkpoint: {good}.")
+    assert (tmp_path / "checkpoints" / "last_good").read_text() == good.name
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    newest = [f"step_{s:08d}.pt" for s in (first_nan + 2, first_nan + 3)]
+    assert saved == sorted({good.name, *newest})  # keep=2, plus the good one
+    assert all(all_finite(p) for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+
+
+def test_isolated_skips_are_absorbed_and_a_run_of_them_stops_the_run(tmp_path):
+    """The bound counts skips in a row, also across the device's unsynced stretches."""
+    quiet = ["trainer.batch_size=2", "trainer.nonfinite_max_consecutive=2", "logger.interval=1000"]
+    trainer = make_trainer(tmp_path / "apart", quiet)
+    poison_step(trainer, 2, 4, 6)
+    trainer.train()
+    assert trainer.step == 8 and trainer.skipped_steps == 3
+    trainer = make_trainer(tmp_path / "in_a_row", quiet)
+    poison_step(trainer, 3, 4)  # the 4th step is the checkpoint's sync point: both in one stretch
+    with pytest.raises(NonFiniteLoss, match="diverged: 2 consecutive steps"):
+        trainer.train()
+    trainer = make_trainer(tmp_path / "across", quiet)
+    poison_step(trainer, 4, 5)  # step 4 is collected by its checkpoint, step 5 at the end
+    with pytest.raises(NonFiniteLoss, match="diverged: 2 consecutive steps"):
+        trainer.train()
+
+
+def test_no_checkpoint_is_written_from_nonfinite_weights(tmp_path):
+    trainer = make_trainer(tmp_path, ["trainer.batch_size=2"])
+    for _ in range(2):
+        trainer.train_step(measure=True)
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("inf")
+    with pytest.raises(NonFiniteLoss, match="NaN/inf at step 2; no checkpoint was written"):
+        trainer.save_checkpoint()
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_nonfinite_eval_loss_stops_the_run_before_its_checkpoint(tmp_path):
+    trainer = make_trainer(tmp_path, ["trainer.batch_size=2"])  # checkpoints at 4; eval only at 8
+    trainer.evaluate = lambda: {"val/val/loss": float("inf")}
+    with pytest.raises(NonFiniteLoss, match=r"diverged: val/val/loss inf at step 8\. Last good checkpoint: .*step_00000004.pt"):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")) == ["step_00000004.pt"]
+
+
+# ---- unusable checkpoints: never start over silently, never overwrite them ----
+
+
+def test_when_no_checkpoint_is_usable_the_run_stops_and_keeps_them_as_corrupt(tmp_path):
+    make_trainer(tmp_path, ["trainer.batch_size=2"]).train()  # saves steps 4 and 8
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_00000008.pt").write_bytes((ckpts / "step_00000008.pt").read_bytes()[:1000])
+    (ckpts / "step_00000004.sha256").unlink()
+    originals = {p.name: p.read_bytes() for p in ckpts.glob("step_*")}
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        make_trainer(tmp_path, ["trainer.batch_size=2"])
+    message = str(err.value)
+    assert "\n" not in message and f"no usable checkpoint in {ckpts}" in message
+    assert "step_00000008.pt: checksum does not match" in message
+    assert "step_00000004.pt: its manifest step_00000004.sha256 is missing" in message
+    assert "checkpoint.resume=none" in message
+    assert not list(ckpts.glob("step_*.pt"))
+    assert {p.name[: -len(".corrupt")]: p.read_bytes() for p in ckpts.glob("*.corrupt")} == originals
+    # A second start still refuses: the set-aside files are not forgotten.
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000008.pt.corrupt .set aside by an earlier start"):
+        make_trainer(tmp_path, ["trainer.batch_size=2"])
+    # Starting over is an explicit choice, and it overwrites nothing.
+    make_trainer(tmp_path, ["trainer.batch_size=2", "checkpoint.resume=none"]).train()
+    assert {p.name[: -len(".corrupt")]: p.read_bytes() for p in ckpts.glob("*.corrupt")} == originals
+    assert checkpoint.find_resume("auto", ckpts)["step"] == 8
+
+
+def test_resuming_with_the_other_optimizer_is_one_line_naming_both(tmp_path):
+    """Before: KeyError: 'exp_avg' deep inside torch's adam.py."""
+    first = cli(tmp_path, "optim=adamw", "trainer.batch_size=2", "trainer.max_steps=2", "checkpoint.interval=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = cli(tmp_path, "optim=muon", "trainer.batch_size=2", "trainer.max_steps=4", "checkpoint.interval=2")
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert "step_00000002.pt: trained with optim=adamw, but this run has optim=muon" in line
+
+
+# ---- bad data found while loading: one line naming the file and the problem ----
+
+
+BAD_FILES = {
+    "empty": (b"", "the file is empty"),
+    "binary": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8, "not text: a NUL byte at offset 7"),
+    "malformed": (b'{"text": "fine"}\n{"text": broken}\n', r"line 2 is not valid JSON \(Expecting value"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_hf_file_problems_name_the_file_and_the_problem(tmp_path, hf_cache, kind):
+    """Before: a StopIteration or a DatasetGenerationError traceback naming neither."""
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "a fine document"}\n')
+    bad = tmp_path / f"{kind}.jsonl"
+    content, problem = BAD_FILES[kind]
+    bad.write_bytes(content)
+    # Named among several files; an empty file only fails a load on its own (beside others,
+    # `datasets` reads it as no records, which is fine).
+    files = [str(bad)] if kind == "empty" else [str(good), str(bad)]
+    source = HFSource("data", "json", data_files=files)
+    with pytest.raises(DataConfigError, match=f"^data: cannot load 'json': {bad}: {problem}"):
+        list(source.documents())
+
+
+def test_hf_bad_file_on_the_command_line_exits_2_with_one_line(tmp_path, hf_cache):
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_bytes(BAD_FILES["malformed"][0])
+    proc = cli(tmp_path / "run", "data=hf", "data.path=json", f"data.data_files=[{bad}]",
+               f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=512",
+               env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")})
+    assert proc.returncode == 2
+    assert f"{bad}: line 2 is not valid JSON" in error_line(proc)
+
+
+def test_a_corpus_too_small_for_a_validation_split_names_the_sizes_and_the_key(tmp_path, hf_cache):
+    """Before: a ValueError traceback."""
+    texts = [f"document {i} " * 20 for i in range(3)]
+    assert not any(is_held_out(text, 0.05) for text in texts)  # the premise: 5% of 3 is none
+    corpus = tmp_path / "tiny.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    cfg = DataConfig(name="hf", path="json", data_files=[str(corpus)], vocab_size=512, val_fraction=0.05,
+                     cache_dir=str(tmp_path / "cache"), eval_sets={})
+    with pytest.raises(DataConfigError, match=r"data split 'val' has no text .*data.val_fraction=0.05 holds out "
+                                              r"0 of the source's 3 documents"):
+        prepare_data(cfg, seq_len=16)
+
+
+# ---- Ctrl-C before training starts ----
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
+    """Before: a KeyboardInterrupt traceback. A fresh data cache makes start-up long (the
+    tokenizer is trained, the corpus tokenized): the signal lands in it."""
+    args = [a for a in COMMON if not a.startswith("trainer.max_steps")]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *args, "trainer.max_steps=100000",
+         f"data.cache_dir={tmp_path / 'cache'}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while not (tmp_path / ".hydra" / "config.yaml").exists():  # inside main(), before the Trainer
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert "Traceback" not in proc.stderr.read()
+    assert not (tmp_path / "metrics.jsonl").exists()  # it never reached training

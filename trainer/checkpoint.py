@@ -9,7 +9,10 @@ batches are a function of seed and step) and the schedule is a function of the s
 
 Files: <run_dir>/checkpoints/step_<N>.pt, each with a <name>.sha256 manifest, and a
 `latest` pointer written last. Every file is written atomically (temp name, fsync, rename),
-so a crash at any moment leaves the previous checkpoint intact.
+so a crash at any moment leaves the previous checkpoint intact. A `last_good` pointer names
+the newest checkpoint whose weights went on to train (a finite eval on them, or a finite next
+step); rotation never deletes it, so up to keep + 1 checkpoints may be on disk. A checkpoint that fails to load is renamed to *.corrupt, never
+overwritten or deleted: what it held may still be recoverable by hand.
 """
 from __future__ import annotations
 
@@ -111,13 +114,48 @@ def _logical_rows(trainer, name: str, param: torch.Tensor) -> int:
     return param.shape[0] * (group_size(trainer.mesh.tp_group) if split == 0 else 1)
 
 
-def save(trainer, directory: Path, keep: int, config: dict[str, Any]) -> Optional[Path]:
-    """Write a checkpoint of the current step (rank 0 writes; every rank must call)."""
+def state_is_finite(trainer) -> bool:
+    """Whether every weight and optimizer-state tensor on every rank is finite. Collective.
+
+    Checked before each save: a checkpoint of NaN weights is one that resume=auto would
+    continue from, and that rotation would keep in place of the good ones."""
+    tensors = [*trainer.model.parameters(), *trainer.optimizer.state_tensors()]
+    # (AdamW's step counts may live on the CPU while the weights are on the GPU.)
+    finite = torch.stack([torch.isfinite(t).all().to(trainer.device)
+                          for t in tensors if t.is_floating_point()]).all()
+    flag = finite.to(dtype=torch.float32).reshape(1)
+    if trainer.mesh.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def last_good(directory: Path) -> Optional[Path]:
+    """The checkpoint that the `last_good` pointer names, if it is still there."""
+    pointer = directory / "last_good"
+    if not pointer.exists():
+        return None
+    path = directory / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step_{step:08d}.pt"
+
+
+def mark_good(directory: Path, step: int) -> None:
+    """Point `last_good` at the checkpoint of `step` (rank 0 only)."""
+    with atomic_output(directory / "last_good") as f:
+        f.write(checkpoint_path(directory, step).name.encode())
+
+
+def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool = False) -> Optional[Path]:
+    """Write a checkpoint of the current step (rank 0 writes; every rank must call). `good`:
+    its weights are already known to be good (see `last_good`)."""
     state = logical_state(trainer)
     if not trainer.mesh.is_main:
         return None
     state["config"] = config
-    path = directory / f"step_{trainer.step:08d}.pt"
+    path = checkpoint_path(directory, trainer.step)
     with atomic_output(path) as f:
         torch.save(state, f)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -125,7 +163,12 @@ def save(trainer, directory: Path, keep: int, config: dict[str, Any]) -> Optiona
         f.write(f"{digest}  {path.name}\n".encode())
     with atomic_output(directory / "latest") as f:
         f.write(path.name.encode())
+    if good:
+        mark_good(directory, trainer.step)
+    protected = last_good(directory)
     for old in sorted(directory.glob("step_*.pt"))[:-keep] if keep > 0 else []:
+        if old == protected:
+            continue  # the one to go back to if the newer ones come from a diverging run
         old.unlink()
         old.with_suffix(".sha256").unlink(missing_ok=True)
     log.info("saved checkpoint %s", path)
@@ -148,12 +191,38 @@ def load(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot be read ({err})") from err
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {state.get('format')} is not {FORMAT_VERSION}")
+    state["path"] = str(path)
     return state
 
 
-def find_resume(resume: str, directory: Path) -> Optional[dict[str, Any]]:
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def set_aside(path: Path) -> list[Path]:
+    """Rename an unusable checkpoint and its manifest to *.corrupt (never over an earlier one),
+    so that a run writing the same step again cannot overwrite them."""
+    moved = []
+    for file in (path, path.with_suffix(".sha256")):
+        if not file.exists():
+            continue
+        target = file.with_name(file.name + CORRUPT_SUFFIX)
+        n = 1
+        while target.exists():
+            target = file.with_name(f"{file.name}{CORRUPT_SUFFIX}.{n}")
+            n += 1
+        file.rename(target)
+        moved.append(target)
+    return moved
+
+
+def find_resume(resume: str, directory: Path, set_aside_unusable: bool = True) -> Optional[dict[str, Any]]:
     """`none`: start fresh. A path: that checkpoint (errors are fatal). `auto`: the newest
-    checkpoint in `directory` that verifies, falling back to older ones (and saying so)."""
+    checkpoint in `directory` that verifies, falling back to older ones (and saying so).
+
+    Under `auto`, unusable checkpoints are renamed to *.corrupt (by the one rank that passes
+    `set_aside_unusable`). When checkpoints exist but none is usable, CheckpointError lists
+    them with their reasons: starting from scratch over a run's checkpoints is for the user
+    to choose (checkpoint.resume=none), not something to do after a warning."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -163,17 +232,40 @@ def find_resume(resume: str, directory: Path) -> Optional[dict[str, Any]]:
     if latest.exists():
         named = directory / latest.read_text().strip()
         candidates = [named] + [c for c in candidates if c != named]
+    earlier = sorted(p.name for p in directory.glob(f"step_*.pt{CORRUPT_SUFFIX}*"))
+    unusable = []
     for path in candidates:
         try:
-            return load(path)
+            state = load(path)
         except CheckpointError as err:
-            log.warning("skipping unusable checkpoint: %s", err)
+            unusable.append(str(err))
+            if set_aside_unusable:
+                moved = set_aside(path)
+                log.warning("skipping unusable checkpoint %s; kept as %s", err, ", ".join(m.name for m in moved) or "-")
+            continue
+        if unusable:
+            log.warning("resuming from %s, the newest usable checkpoint", path.name)
+        return state
+    unusable += [f"{name} (set aside by an earlier start)" for name in earlier]
+    if unusable:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: {'; '.join(unusable)}. The files are kept as *{CORRUPT_SUFFIX}; "
+            "start fresh with checkpoint.resume=none, or pick one with checkpoint.resume=PATH"
+        )
     return None
 
 
 def restore(trainer, state: dict[str, Any]) -> None:
     """Load a logical checkpoint into a trainer of any (DP, TP) layout."""
     model, mesh = trainer.model, trainer.mesh
+    where = state.get("path", "checkpoint")
+    saved_optim = state.get("config", {}).get("optim", {}).get("name")
+    if saved_optim is not None and saved_optim != trainer.cfg.optim.name:
+        raise CheckpointError(
+            f"{where}: trained with optim={saved_optim}, but this run has optim={trainer.cfg.optim.name}; "
+            f"resume it with optim={saved_optim}, or start optim={trainer.cfg.optim.name} in a new run dir "
+            "(or with checkpoint.resume=none)"
+        )
     params = dict(model.named_parameters())
     expected = {n: (_logical_rows(trainer, n, p),) + tuple(_full_tail(p, mesh)) for n, p in params.items()}
     found = {n: tuple(t.shape) for n, t in state["params"].items()}

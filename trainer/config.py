@@ -45,8 +45,11 @@ class TrainerConfig:
     # fails with torch's error naming it.
     deterministic: bool = False
     # A NaN/inf loss or gradient: "skip" drops that step's update and counts it
-    # (train/skipped_steps); "stop" exits with an error, keeping the last good checkpoint.
+    # (train/skipped_steps); "stop" exits (code 3), keeping the last good checkpoint.
     nonfinite: str = "skip"
+    # Under "skip": this many skipped steps in a row is divergence, not a bad batch; the run
+    # stops (exit code 3) and names the last good checkpoint. A non-finite eval loss stops it too.
+    nonfinite_max_consecutive: int = 10
     # Peak matmul TFLOP/s of one device, the denominator of perf/mfu. 0: measured once at
     # start-up (about a second of F.linear matmuls in trainer.precision on the training
     # device), since a CPU has no datasheet figure worth trusting; set it to compare runs
@@ -103,7 +106,8 @@ class CheckpointConfig:
     # "auto": continue from the newest good checkpoint in this run dir if there is one;
     # "none": always start fresh; or the path of a step_*.pt file to continue from.
     resume: str = "auto"
-    # Keep the newest `keep` checkpoints.
+    # Keep the newest `keep` checkpoints, and always the newest good one (checkpoints/last_good:
+    # its weights went on to train a finite step), which a diverging run would otherwise rotate out.
     keep: int = 3
 
 
@@ -166,6 +170,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.precision", t.precision, ("auto", "bf16", "fp32"))
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
+    _positive("trainer.nonfinite_max_consecutive", t.nonfinite_max_consecutive)
     if not t.peak_tflops >= 0:  # also rejects NaN
         raise ConfigError(f"trainer.peak_tflops must be >= 0 (0 = measure at start-up), got {t.peak_tflops}")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -36,12 +37,14 @@ from trainer.precision import resolve_run_precisions
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks
+from trainer.skips import SkipCounter, SkipReport
 
 log = logging.getLogger("trainer")
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss or gradients became NaN/inf under trainer.nonfinite=stop."""
+    """The run diverged: a NaN/inf step under trainer.nonfinite=stop, too many consecutive
+    skipped steps, a non-finite eval loss, or non-finite weights at a checkpoint."""
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
@@ -133,7 +136,7 @@ class Trainer:
             cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
         self.checkpoint_dir = run_dir / "checkpoints"
-        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir)
+        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh.is_main)
         # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
         cfg, precision_line = resolve_run_precisions(
             cfg, self.device, self.mesh, resumed["config"] if resumed is not None else None
@@ -166,12 +169,16 @@ class Trainer:
         # step, so the count stays right across a resume with a different global batch.
         self.tokens = 0
         self.skipped_steps = 0
-        # Steps skipped on the device since the host last looked, and the first of them (0: none).
-        self.pending_skips = torch.zeros((), device=self.device)
-        self.first_pending_skip = torch.zeros((), dtype=torch.long, device=self.device)
+        # Steps skipped on the device since the host last looked.
+        self.skips = SkipCounter(self.device)
+        # The step of the newest checkpoint not yet known to be good: its weights are good once
+        # the step after it trains finite (see _confirm_checkpoint).
+        self.unconfirmed_checkpoint: Optional[int] = None
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
+            if Path(resumed["path"]).parent == self.checkpoint_dir:
+                self.unconfirmed_checkpoint = self.step
         self.environment: dict = {}
         if self.mesh.is_main:
             self.environment = run_env.environment(
@@ -265,18 +272,18 @@ class Trainer:
         # host learns of it at its next sync point (_collect_skips): no host sync per step.
         found_inf = (~torch.isfinite(grad_norm)).float()
         stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
+        self.skips.note(found_inf, self.step + 1)
         if measure:
             if self._collect_skips():
                 stats["train/skipped_steps"] = float(self.skipped_steps)
             if found_inf.item():
-                return self._nonfinite_step(loss_sum / t.grad_accum)
+                return self._nonfinite_step(stats)
             found_inf = None  # known finite: the optimizers need no gate
             before = self.health.snapshot()
             dev.synchronize(self.device)
             t0 = time.perf_counter()
         else:
-            self._note_skip(found_inf)
-            stats["train/skipped_steps"] = self.pending_skips + self.skipped_steps
+            stats["train/skipped_steps"] = self.skips.counts[SkipCounter.SKIPPED] + self.skipped_steps
         with region("optimizer"):
             self.optimizer.step(found_inf)
             self.optimizer.zero_grad()
@@ -309,52 +316,81 @@ class Trainer:
         reset_routing_stats(self.model)
         self.model.output_sq_sum.zero_()
 
-    def _note_skip(self, found_inf: torch.Tensor) -> None:
-        """Count a possibly skipped step on the device: no host sync."""
-        self.pending_skips += found_inf
-        first = self.first_pending_skip
-        self.first_pending_skip = torch.where((first == 0) & (found_inf != 0), self.step + 1, first)
-
     def _collect_skips(self) -> int:
         """Read the steps the device skipped since the last call (a host sync: called on
-        logging steps, before a checkpoint and at the end of training). Under
-        trainer.nonfinite=stop a skip stops the run here, naming the first skipped step; the
-        skipped steps changed nothing, so no checkpoint holds a non-finite update. Returns the
-        number of steps skipped since the last call."""
-        skipped = int(self.pending_skips.item())
-        if not skipped:
+        logging steps, before a checkpoint and at the end of training). Stops the run here,
+        before any checkpoint after the skip is written, under trainer.nonfinite=stop or once
+        trainer.nonfinite_max_consecutive steps in a row were skipped. Returns the number of
+        steps skipped since the last call."""
+        report = self.skips.collect()
+        self._confirm_checkpoint(report)
+        if not report.skipped:
             return 0
-        first = int(self.first_pending_skip.item())
-        self.pending_skips.zero_()
-        self.first_pending_skip.zero_()
-        self.skipped_steps += skipped
-        if self.cfg.trainer.nonfinite == "stop":
+        self.skipped_steps += report.skipped
+        t = self.cfg.trainer
+        if t.nonfinite == "stop":
             raise NonFiniteLoss(
-                f"non-finite loss/gradients at step {first}; stopping with trainer.nonfinite=stop. "
-                f"The last good checkpoint is in {self.checkpoint_dir}"
+                f"non-finite loss/gradients at step {report.first}; stopping with trainer.nonfinite=stop. "
+                f"{self.last_good_line()}"
+            )
+        if report.longest_run >= t.nonfinite_max_consecutive:
+            raise NonFiniteLoss(
+                f"diverged: {report.longest_run} consecutive steps had non-finite loss/gradients "
+                f"(trainer.nonfinite_max_consecutive={t.nonfinite_max_consecutive}; {self.skipped_steps} "
+                f"skipped in all). {self.last_good_line()}"
             )
         log.warning("non-finite gradients: %d step(s) skipped since step %d (%d so far)",
-                    skipped, first, self.skipped_steps)
-        return skipped
+                    report.skipped, report.first, self.skipped_steps)
+        return report.skipped
 
-    def _nonfinite_step(self, loss: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    def _confirm_checkpoint(self, report: SkipReport) -> None:
+        """A checkpoint's weights are known to be good only once a step has trained on them:
+        the update just before a save can be the one that blows the weights up while they stay
+        finite. So the newest checkpoint becomes `last_good` when the step after it was not
+        skipped. (The save collected the counts, so this report starts at that step.)"""
+        saved = self.unconfirmed_checkpoint
+        if saved is None or report.through <= saved:
+            return
+        self.unconfirmed_checkpoint = None
+        if report.first != saved + 1 and self.mesh.is_main:
+            checkpoint.mark_good(self.checkpoint_dir, saved)
+
+    def last_good_line(self) -> str:
+        good = checkpoint.last_good(self.checkpoint_dir)
+        if good is None:
+            return f"No good checkpoint was written in {self.checkpoint_dir}."
+        return f"Last good checkpoint: {good}."
+
+    def _nonfinite_step(self, stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor | float]:
+        """A logging step whose gradients are non-finite (already counted by _collect_skips):
+        drop its gradients and what its forward passes accumulated."""
         self.optimizer.zero_grad()
         self.model.track_output_rms = False
         self.discard_step_statistics()
-        if self.cfg.trainer.nonfinite == "stop":
-            raise NonFiniteLoss(
-                f"non-finite loss/gradients at step {self.step + 1} (loss {loss.item()}); stopping "
-                f"with trainer.nonfinite=stop. The last good checkpoint is in {self.checkpoint_dir}"
-            )
-        self.skipped_steps += 1
-        log.warning("step %d: non-finite gradients, step skipped (%d so far)", self.step + 1, self.skipped_steps)
         self._advance()
-        return {"train/loss": loss, "train/skipped_steps": float(self.skipped_steps)}
+        return {**stats, "train/skipped_steps": float(self.skipped_steps)}
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, evaluated: bool = False) -> None:
+        """`evaluated`: an eval on these very weights just gave finite losses, so the
+        checkpoint is good now rather than after the next step."""
         self._collect_skips()
         with region("checkpoint"):
-            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config())
+            if not checkpoint.state_is_finite(self):
+                raise NonFiniteLoss(
+                    f"diverged: the weights or optimizer state hold NaN/inf at step {self.step}; no checkpoint "
+                    f"was written. {self.last_good_line()}"
+                )
+            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config(),
+                            good=evaluated)
+        self.unconfirmed_checkpoint = None if evaluated else self.step
+
+    def _check_eval_finite(self, step: int, metrics: dict[str, float]) -> None:
+        """Finite weights can still give a NaN/inf loss (weights grown past what the forward
+        pass can hold): the run has diverged, and is stopped before it checkpoints."""
+        bad = {k: v for k, v in metrics.items() if k.endswith("/loss") and not math.isfinite(v)}
+        if bad:
+            named = ", ".join(f"{k} {v}" for k, v in bad.items())
+            raise NonFiniteLoss(f"diverged: {named} at step {step}. {self.last_good_line()}")
 
     def evaluate(self) -> dict[str, float]:
         metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
@@ -410,13 +446,14 @@ class Trainer:
                 if eval_due:
                     with region("eval"):
                         eval_metrics = self.evaluate()
+                    self._check_eval_finite(done, eval_metrics)
                     progress.message(f"step {done}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
                     ))
                     metrics.update(eval_metrics)
                 interval = cfg.checkpoint.interval
                 if is_last or (interval > 0 and done % interval == 0):
-                    self.save_checkpoint()
+                    self.save_checkpoint(evaluated=eval_due)
                 if metrics:
                     if sinks is not None:
                         sinks.log(done, self.tokens, metrics)

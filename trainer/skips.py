@@ -1,0 +1,52 @@
+"""Counting skipped (non-finite) steps on the device, read by the host only at sync points.
+
+A step whose gradients are NaN/inf is dropped by the optimizers on the device; the host learns
+of it at its next sync point (a logging step, a checkpoint, the end). Counting there, rather
+than with an `.item()` per step, keeps the step free of host syncs. Besides the count, the
+counter tracks the longest run of consecutive skips: one bad batch now and then is noise that
+`trainer.nonfinite=skip` is meant to absorb, a long run of them is a run that has diverged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SkipReport:
+    """What the device counted since the previous collect."""
+
+    skipped: int  # steps skipped since the previous collect
+    first: int  # the first of them (1-based step number); 0 when none
+    longest_run: int  # the longest run of consecutive skips in that window (or still going)
+    through: int  # the latest step noted (0: none yet)
+
+
+class SkipCounter:
+    # One small device tensor, read with a single transfer: [skipped, first, current run,
+    # longest run].
+    SKIPPED, FIRST, CURRENT, LONGEST = range(4)
+
+    def __init__(self, device: torch.device) -> None:
+        self.counts = torch.zeros(4, dtype=torch.long, device=device)
+        self.through = 0
+
+    def note(self, found_inf: torch.Tensor, step: int) -> None:
+        """Record whether step `step` (1-based) was skipped; `found_inf` is 0 or 1 on the device."""
+        self.through = step
+        bad = found_inf.to(torch.long)
+        c = self.counts
+        c[self.SKIPPED] += bad
+        c[self.FIRST] = torch.where((c[self.FIRST] == 0) & (bad != 0), step, c[self.FIRST])
+        c[self.CURRENT] = (c[self.CURRENT] + bad) * bad
+        c[self.LONGEST] = torch.maximum(c[self.LONGEST], c[self.CURRENT])
+
+    def collect(self) -> SkipReport:
+        """Read and reset the window (a host sync). A run of skips still going carries over,
+        so a run that spans two windows is measured whole."""
+        skipped, first, current, longest = self.counts.tolist()
+        self.counts[self.SKIPPED] = 0
+        self.counts[self.FIRST] = 0
+        self.counts[self.LONGEST] = current
+        return SkipReport(skipped, first, longest, self.through)
