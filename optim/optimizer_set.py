@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -32,6 +33,17 @@ def install_state(key: str, value: torch.Tensor, param: torch.Tensor) -> torch.T
     if key == "step":
         return value.to(device=param.device, dtype=torch.float32, copy=True)
     return value.to(device=param.device, copy=True)
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    """A tensor this rank steps: elements [start, start + tensor.numel()) of the flattened
+    TP-local parameter `name`, stepped by `optimizer` (whose state is keyed by `tensor`)."""
+
+    name: str
+    tensor: torch.Tensor
+    start: int
+    optimizer: str
 
 
 class OptimizerSet:
@@ -91,6 +103,15 @@ class OptimizerSet:
             p = params[name]
             opt = next(o for o in self.optimizers.values() if any(p is q for g in o.param_groups for q in g["params"]))
             opt.state[p] = {k: install_state(k, v, p) for k, v in state.items()}
+
+    def owned_pieces(self, model: torch.nn.Module) -> list[OwnedPiece]:
+        """What this rank steps: every trainable parameter, whole (ZeRO-1 overrides this)."""
+        pieces = []
+        for name, p in model.named_parameters():
+            for key, opt in self.optimizers.items():
+                if any(p is q for g in opt.param_groups for q in g["params"]):
+                    pieces.append(OwnedPiece(name, p, 0, key))
+        return pieces
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for opt in self.optimizers.values():

@@ -25,7 +25,7 @@ from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.muon import Muon, matrix_layout, tp_gather_dim
-from optim.optimizer_set import OptimizerSet, install_state, skip_if
+from optim.optimizer_set import OptimizerSet, OwnedPiece, install_state, skip_if
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
 from trainer.mesh import Mesh
@@ -221,6 +221,12 @@ class ZeroOptimizer(OptimizerSet):
                 src += pieces
             if dst:
                 torch._foreach_copy_(dst, src)
+
+    def owned_pieces(self, model: torch.nn.Module) -> list[OwnedPiece]:
+        """Whole Muon matrices and flat AdamW pieces, as the ZeRO-1 plan gave this rank."""
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        return [OwnedPiece(names[s.param], tensor, s.start, "muon" if tensor is self.params[s.param] else "adamw")
+                for tensor, s in self._owned]
 
     def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Per-parameter state, whole over DP: each rank contributes what it owns (zeros

@@ -1,11 +1,12 @@
 """Export a training checkpoint as a Hugging Face transformers model directory.
 
     python scripts/export_hf.py outputs/muon_gpt_tiny/RUN exported/gpt_tiny
-    python scripts/export_hf.py outputs/muon_gpt_tiny/RUN/checkpoints/step_00000200.pt OUT --dtype bf16
+    python scripts/export_hf.py outputs/muon_gpt_tiny/RUN/checkpoints/step_00000200 OUT --dtype bf16
 
-CHECKPOINT is a checkpoint file, a run's checkpoints/ dir or a run dir (then the checkpoint
-its `latest` pointer names). Checkpoints hold full logical tensors whatever the (DP, TP)
-layout of the run that saved them, so TP- and ZeRO-sharded runs export the same way.
+CHECKPOINT is a checkpoint (a step_<N> dir, or an older single-file step_<N>.pt), a run's
+checkpoints/ dir or a run dir (then the checkpoint its `latest` pointer names). Checkpoints
+store logical tensors whatever the (DP, TP) layout of the run that saved them, so TP- and
+ZeRO-sharded runs export the same way.
 
 The result loads with no custom code:
     AutoModelForCausalLM.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
@@ -34,17 +35,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint file that `path` (a file, a checkpoints/ dir or a run dir) names."""
-    if path.is_dir():
+    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names."""
+    if path.is_dir() and not checkpoint.is_sharded(path):
         directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         latest = directory / "latest"
         if latest.exists():
             return directory / latest.read_text().strip()
-        found = sorted(directory.glob("step_*.pt"))
+        found = checkpoint.checkpoints_in(directory)
         if not found:
             raise checkpoint.CheckpointError(f"{path}: no checkpoint found in this directory")
-        return found[-1]
-    return path  # checkpoint.load names a missing file itself
+        return found[0]
+    return path  # checkpoint.load names a missing one itself
 
 
 def load_run(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -83,7 +84,7 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None):
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="checkpoint file, checkpoints/ dir or run dir")
+    parser.add_argument("checkpoint", type=Path, help="checkpoint (step_<N> dir or older .pt file), checkpoints/ dir or run dir")
     parser.add_argument("out_dir", type=Path, help="directory to write the transformers model into")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="weight dtype of the export (fp32 is exact; default fp32)")

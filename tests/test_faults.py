@@ -54,7 +54,7 @@ def test_nonfinite_stop_exits_with_a_clear_message_and_keeps_the_last_checkpoint
     poison_step(trainer, 6)
     with pytest.raises(NonFiniteLoss, match="step 6"):
         trainer.train()
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004.pt"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
 @pytest.mark.parametrize("optim", ["muon", "adamw"])
@@ -93,7 +93,7 @@ def test_nonfinite_stop_between_logging_steps_stops_at_the_next_sync_point(tmp_p
     with pytest.raises(NonFiniteLoss, match="step 6"):
         trainer.train()
     assert trainer.step == 7  # stopped inside step 8 (the last, a logging step), before its update
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004.pt"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
 def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -223,13 +223,13 @@ def test_a_huge_lr_stops_the_run_with_exit_3_naming_the_last_good_checkpoint(tmp
     # checkpointed, long before step 40.
     assert max(losses) == first_nan + 3
     # The weights saved after step first_nan - 1 gave the NaN; those after first_nan - 2 trained on.
-    good = tmp_path / "checkpoints" / f"step_{first_nan - 2:08d}.pt"
+    good = tmp_path / "checkpoints" / f"step_{first_nan - 2:08d}"
     assert line.endswith(f"Last good checkpoint: {good}.")
     assert (tmp_path / "checkpoints" / "last_good").read_text() == good.name
-    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
-    newest = [f"step_{s:08d}.pt" for s in (first_nan + 2, first_nan + 3)]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    newest = [f"step_{s:08d}" for s in (first_nan + 2, first_nan + 3)]
     assert saved == sorted({good.name, *newest})  # keep=2, plus the good one
-    assert all(all_finite(p) for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    assert all(all_finite(p) for p in (tmp_path / "checkpoints").glob("step_*"))
 
 
 def test_isolated_skips_are_absorbed_and_a_run_of_them_stops_the_run(tmp_path):
@@ -263,35 +263,42 @@ def test_no_checkpoint_is_written_from_nonfinite_weights(tmp_path):
 def test_a_nonfinite_eval_loss_stops_the_run_before_its_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path, ["trainer.batch_size=2"])  # checkpoints at 4; eval only at 8
     trainer.evaluate = lambda: {"val/val/loss": float("inf")}
-    with pytest.raises(NonFiniteLoss, match=r"diverged: val/val/loss inf at step 8\. Last good checkpoint: .*step_00000004.pt"):
+    with pytest.raises(NonFiniteLoss, match=r"diverged: val/val/loss inf at step 8\. Last good checkpoint: .*step_00000004\."):
         trainer.train()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")) == ["step_00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000004"]
 
 
 # ---- unusable checkpoints: never start over silently, never overwrite them ----
 
 
 def test_when_no_checkpoint_is_usable_the_run_stops_and_keeps_them_as_corrupt(tmp_path):
+    """Before: two warnings, then a run from scratch that overwrote the damaged files."""
     make_trainer(tmp_path, ["trainer.batch_size=2"]).train()  # saves steps 4 and 8
     ckpts = tmp_path / "checkpoints"
-    (ckpts / "step_00000008.pt").write_bytes((ckpts / "step_00000008.pt").read_bytes()[:1000])
-    (ckpts / "step_00000004.sha256").unlink()
-    originals = {p.name: p.read_bytes() for p in ckpts.glob("step_*")}
+    shard = next((ckpts / "step_00000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (ckpts / "step_00000004" / "manifest.sha256").unlink()
+    originals = {p.relative_to(ckpts).as_posix(): p.read_bytes() for p in ckpts.glob("step_*/*")}
+
+    def set_aside() -> dict[str, bytes]:
+        return {p.relative_to(ckpts).as_posix().replace(".corrupt", ""): p.read_bytes()
+                for p in ckpts.glob("step_*.corrupt/*")}
+
     with pytest.raises(checkpoint.CheckpointError) as err:
         make_trainer(tmp_path, ["trainer.batch_size=2"])
     message = str(err.value)
     assert "\n" not in message and f"no usable checkpoint in {ckpts}" in message
-    assert "step_00000008.pt: checksum does not match" in message
-    assert "step_00000004.pt: its manifest step_00000004.sha256 is missing" in message
+    assert f"{shard}: checksum does not match" in message
+    assert "step_00000004: its manifest manifest.sha256 is missing" in message
     assert "checkpoint.resume=none" in message
-    assert not list(ckpts.glob("step_*.pt"))
-    assert {p.name[: -len(".corrupt")]: p.read_bytes() for p in ckpts.glob("*.corrupt")} == originals
+    assert not [p for p in ckpts.glob("step_*") if not p.name.endswith(".corrupt")]
+    assert set_aside() == originals
     # A second start still refuses: the set-aside files are not forgotten.
-    with pytest.raises(checkpoint.CheckpointError, match="step_00000008.pt.corrupt .set aside by an earlier start"):
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000008.corrupt .set aside by an earlier start"):
         make_trainer(tmp_path, ["trainer.batch_size=2"])
     # Starting over is an explicit choice, and it overwrites nothing.
     make_trainer(tmp_path, ["trainer.batch_size=2", "checkpoint.resume=none"]).train()
-    assert {p.name[: -len(".corrupt")]: p.read_bytes() for p in ckpts.glob("*.corrupt")} == originals
+    assert set_aside() == originals
     assert checkpoint.find_resume("auto", ckpts)["step"] == 8
 
 
@@ -302,7 +309,7 @@ def test_resuming_with_the_other_optimizer_is_one_line_naming_both(tmp_path):
     proc = cli(tmp_path, "optim=muon", "trainer.batch_size=2", "trainer.max_steps=4", "checkpoint.interval=2")
     assert proc.returncode == 2
     line = error_line(proc)
-    assert "step_00000002.pt: trained with optim=adamw, but this run has optim=muon" in line
+    assert "step_00000002: trained with optim=adamw, but this run has optim=muon" in line
 
 
 # ---- bad data found while loading: one line naming the file and the problem ----

@@ -137,7 +137,7 @@ def test_trainer_logs_and_records_the_resolved_precision(tmp_path, bf16_speedup,
     trainer.train()
     from trainer import checkpoint
 
-    state = checkpoint.load(tmp_path / "checkpoints" / "step_00000001.pt")
+    state = checkpoint.load(tmp_path / "checkpoints" / "step_00000001")
     assert state["config"]["trainer"]["precision"] == "fp32"
     # Resumed where bf16 measures faster: the run goes on in fp32, as it started.
     bf16_speedup(3.0)

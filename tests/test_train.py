@@ -125,7 +125,7 @@ def test_a_schedule_that_decays_to_zero_completes_its_last_step(tmp_path):
     assert "val/val/loss" in last and "model/output_rms/final" in last
     assert not any(k.startswith("optim/update_rms/") for k in last)
     assert all(records[i]["optim/update_rms/mlp_in"] > 0 for i in range(1, 5))
-    assert (tmp_path / "checkpoints" / "step_00000006.pt").exists()
+    assert (tmp_path / "checkpoints" / "step_00000006").exists()
 
 
 def test_the_run_records_its_corpus_id_and_environment(adamw_run):

@@ -1,24 +1,35 @@
-"""Checkpoints in a layout-independent form: save at one (DP, TP), resume at any other.
+"""Checkpoints: each rank writes its own shard, and any (DP, TP) layout resumes any other.
 
-A checkpoint holds full logical tensors, as a single-process run would have them: every
-parameter (TP shards gathered, vocabulary padding dropped), every persistent buffer (MoE
-expert biases), and the optimizer state per parameter (Muon momentum; AdamW moments and
-step), assembled from the ZeRO-1 shards. Plus step, token and skipped-step counts, RNG
-states of every rank and the resolved config. The data loader needs only the step (its
-batches are a function of seed and step) and the schedule is a function of the step too.
+A checkpoint is a directory <run_dir>/checkpoints/step_<N>/ written with
+torch.distributed.checkpoint (DCP): every logical tensor (a parameter as a single process
+holds it, TP shards joined and vocabulary padding dropped; its optimizer state; the MoE
+expert biases) is stored as the chunks the ranks hold, each written once by one rank (see
+trainer/checkpoint_shards.py). On load every rank reads the parts it needs for its own
+layout: DCP reshards. Next to the DCP files: trainer.json (step, token and skipped-step
+counts, every rank's RNG states, the resolved config; plain JSON, no pickle) and
+manifest.sha256 (every file's digest, each rank hashing what it wrote, in chunks).
 
-Files: <run_dir>/checkpoints/step_<N>.pt, each with a <name>.sha256 manifest, and a
-`latest` pointer written last. Every file is written atomically (temp name, fsync, rename),
-so a crash at any moment leaves the previous checkpoint intact. A `last_good` pointer names
-the newest checkpoint whose weights went on to train (a finite eval on them, or a finite next
-step); rotation never deletes it, so up to keep + 1 checkpoints may be on disk. A checkpoint that fails to load is renamed to *.corrupt, never
-overwritten or deleted: what it held may still be recoverable by hand.
+A save goes to a hidden .step_<N>.partial/ directory that is renamed only once complete, so
+a checkpoint directory is complete or absent; the `latest` pointer is written last. A
+`last_good` pointer names the newest checkpoint whose weights went on to train (a finite
+eval on them, or a finite next step); rotation never deletes it, so up to keep + 1
+checkpoints may be on disk. A checkpoint that fails to verify is renamed to *.corrupt, never
+overwritten or deleted. checkpoint.async_save writes in the background while training goes on.
+
+Single-file checkpoints from earlier versions (step_<N>.pt with a .sha256 manifest, full
+logical tensors gathered on rank 0) still load, at any layout.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import random
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,9 +40,20 @@ import torch.distributed as dist
 from data.atomic import atomic_output
 from model.comm import group_rank, group_size
 from model.tp_ops import gather_from_tp
+from optim.optimizer_set import install_state
+from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner, TPPlacement, pieces_of
 
 log = logging.getLogger("checkpoint")
-FORMAT_VERSION = 1
+# DCP warns on every single-process save and load that it assumes a single process: that is
+# exactly what no_dist=True asks for.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+FORMAT_VERSION = 1  # the single-file format
+SHARDED_FORMAT = 2
+META_FILE = "trainer.json"
+MANIFEST_FILE = "manifest.sha256"
+HASH_CHUNK_BYTES = 8 << 20
+CORRUPT_SUFFIX = ".corrupt"
+STEP_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
 class CheckpointError(ValueError):
@@ -85,7 +107,8 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def logical_state(trainer) -> dict[str, Any]:
-    """The trainer's whole state as full logical tensors. Collective: every rank calls it."""
+    """The trainer's whole state as full logical tensors, as the single-file format holds it.
+    Collective: every rank calls it."""
     model, mesh = trainer.model, trainer.mesh
     logical_rows = {n: _logical_rows(trainer, n, p) for n, p in model.named_parameters()}
     params = {n: to_logical(p, getattr(p, "tp_split_dim", None), logical_rows[n], mesh.tp_group)
@@ -129,6 +152,20 @@ def state_is_finite(trainer) -> bool:
     return bool(flag.item())
 
 
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step_{step:08d}"
+
+
+def checkpoints_in(directory: Path) -> list[Path]:
+    """The checkpoints in `directory` (sharded dirs and single files), newest first."""
+    found = [p for p in directory.glob("step_*") if STEP_NAME.match(p.name)]
+    return sorted(found, key=lambda p: (int(STEP_NAME.match(p.name).group(1)), p.is_dir()), reverse=True)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).exists()
+
+
 def last_good(directory: Path) -> Optional[Path]:
     """The checkpoint that the `last_good` pointer names, if it is still there."""
     pointer = directory / "last_good"
@@ -138,52 +175,238 @@ def last_good(directory: Path) -> Optional[Path]:
     return path if path.exists() else None
 
 
-def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"step_{step:08d}.pt"
-
-
 def mark_good(directory: Path, step: int) -> None:
     """Point `last_good` at the checkpoint of `step` (rank 0 only)."""
     with atomic_output(directory / "last_good") as f:
         f.write(checkpoint_path(directory, step).name.encode())
 
 
-def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool = False) -> Optional[Path]:
-    """Write a checkpoint of the current step (rank 0 writes; every rank must call). `good`:
-    its weights are already known to be good (see `last_good`)."""
-    state = logical_state(trainer)
-    if not trainer.mesh.is_main:
-        return None
-    state["config"] = config
-    path = checkpoint_path(directory, trainer.step)
-    with atomic_output(path) as f:
-        torch.save(state, f)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    with atomic_output(path.with_suffix(".sha256")) as f:
-        f.write(f"{digest}  {path.name}\n".encode())
-    with atomic_output(directory / "latest") as f:
-        f.write(path.name.encode())
-    if good:
-        mark_good(directory, trainer.step)
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in chunks: checkpoint files can be larger than memory."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_json(state: dict[str, Any]) -> dict[str, Any]:
+    """One rank's RNG states as plain JSON (checkpoints load without unpickling)."""
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    out = {"python": [version, list(internal), gauss],
+           "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+           "torch": state["torch"].tolist()}
+    if "cuda" in state:
+        out["cuda"] = state["cuda"].tolist()
+    return out
+
+
+def _rng_from_json(obj: dict[str, Any]) -> dict[str, Any]:
+    version, internal, gauss = obj["python"]
+    name, keys, pos, has_gauss, cached = obj["numpy"]
+    state = {"python": (version, tuple(internal), gauss),
+             "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+             "torch": torch.tensor(obj["torch"], dtype=torch.uint8)}
+    if "cuda" in obj:
+        state["cuda"] = torch.tensor(obj["cuda"], dtype=torch.uint8)
+    return state
+
+
+def _placements(trainer) -> dict[str, TPPlacement]:
+    tp_rank = group_rank(trainer.mesh.tp_group)
+    return {n: TPPlacement(getattr(p, "tp_split_dim", None), tp_rank, _logical_rows(trainer, n, p))
+            for n, p in trainer.model.named_parameters()}
+
+
+def _state_key(name: str, key: str) -> str:
+    return f"optim/{name}/{key}"
+
+
+def sharded_state(trainer) -> dict[str, Chunks]:
+    """This rank's pieces of every logical tensor, as views of the live tensors. DP replicas
+    offer the same pieces; DCP writes each once."""
+    model = trainer.model
+    tp = group_size(trainer.mesh.tp_group)
+    params = dict(model.named_parameters())
+    placements = _placements(trainer)
+    out: dict[str, Chunks] = {}
+    for name, p in params.items():
+        placement = placements[name]
+        out[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape), tp),
+                                      pieces_of(p.detach(), tuple(p.shape), 0, placement))
+    for name, buf in model.state_dict().items():
+        if name not in params:  # persistent buffers (MoE expert biases), the same on every rank
+            out[f"buffer/{name}"] = Chunks(tuple(buf.shape), [((0,) * buf.ndim, buf.detach())])
+    for piece in trainer.optimizer.owned_pieces(model):
+        p, placement = params[piece.name], placements[piece.name]
+        state = trainer.optimizer.optimizers[piece.optimizer].state.get(piece.tensor, {})
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                continue
+            if value.ndim == 0:  # AdamW's step count: every owner of the parameter holds the same
+                out[_state_key(piece.name, key)] = Chunks((), [((), value.detach())])
+                continue
+            chunks = out.setdefault(_state_key(piece.name, key),
+                                    Chunks(placement.logical_shape(tuple(p.shape), tp), []))
+            chunks.pieces += pieces_of(value.detach(), tuple(p.shape), piece.start, placement)
+    return out
+
+
+class PendingSave:
+    """A save whose files may still be being written (checkpoint.async_save): committed, that
+    is hashed, renamed into place and pointed to, by `commit_pending` on every rank."""
+
+    def __init__(self, partial: Path, final: Path, step: int, good: bool, keep: int,
+                 future: Optional[Future]) -> None:
+        self.partial, self.final, self.step, self.good, self.keep, self.future = partial, final, step, good, keep, future
+
+
+def _process_group(mesh):
+    """DCP's plans and metadata travel over the host (gloo) group where there is one."""
+    return mesh.host_group
+
+
+def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool = False,
+         background: bool = False, async_group=None) -> PendingSave:
+    """Start writing a checkpoint of the current step; every rank must call, then call
+    `commit_pending` (at once, or before the next save and at the end when `background`).
+    `background`: DCP copies the tensors to host memory and writes them from a thread while
+    training goes on; its collectives use `async_group`, a gloo group of their own, so they
+    never interleave with training's. `good`: its weights are already known to be good (see
+    `last_good`)."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = trainer.mesh
+    name = checkpoint_path(directory, trainer.step).name
+    partial, final = directory / f".{name}.partial", directory / name
+    if mesh.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+        partial.mkdir(parents=True)
+    rng = [None] * mesh.world_size
+    if mesh.world_size > 1:
+        dist.all_gather_object(rng, _rng_json(_rng_state(trainer.device)), group=_process_group(mesh))
+    else:
+        rng = [_rng_json(_rng_state(trainer.device))]
+    if mesh.is_main:
+        meta = {"format": SHARDED_FORMAT, "step": trainer.step, "tokens": trainer.tokens,
+                "skipped_steps": trainer.skipped_steps, "mesh": {"dp": mesh.dp, "tp": mesh.tp},
+                "rng": rng, "config": config}
+        (partial / META_FILE).write_text(json.dumps(meta))
+    state = sharded_state(trainer)
+    writer = dcp.FileSystemWriter(str(partial), sync_files=True)
+    no_dist = mesh.world_size == 1
+    if background:
+        future = dcp.async_save(state, storage_writer=writer, planner=ChunkSavePlanner(),
+                                process_group=async_group, no_dist=no_dist)
+        future = getattr(future, "upload_completion", future)  # AsyncSaveResponse or a Future
+    else:
+        dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(),
+                 process_group=_process_group(mesh), no_dist=no_dist)
+        future = None
+    return PendingSave(partial, final, trainer.step, good, keep, future)
+
+
+def commit_pending(pending: PendingSave, mesh) -> Path:
+    """Wait for the files, hash them (each rank its own), write the manifest, rename the
+    checkpoint into place, point `latest` (and `last_good`) at it, rotate. Every rank calls."""
+    if pending.future is not None:
+        pending.future.result()
+    mine = sorted(pending.partial.glob(f"__{mesh.rank}_*"))
+    if mesh.is_main:
+        mine += [pending.partial / ".metadata", pending.partial / META_FILE]
+    digests = {p.name: file_digest(p) for p in mine}
+    gathered = [None] * mesh.world_size
+    if mesh.world_size > 1:
+        dist.all_gather_object(gathered, digests, group=_process_group(mesh))
+    else:
+        gathered = [digests]
+    if mesh.is_main:
+        everything = {k: v for d in gathered for k, v in d.items()}
+        on_disk = {p.name for p in pending.partial.iterdir()} - {MANIFEST_FILE}
+        if set(everything) != on_disk:
+            raise CheckpointError(f"{pending.partial}: files without a digest: {sorted(on_disk - set(everything))}")
+        with atomic_output(pending.partial / MANIFEST_FILE) as f:
+            f.write("".join(f"{d}  {n}\n" for n, d in sorted(everything.items())).encode())
+        directory = pending.final.parent
+        if pending.final.exists():  # the same step saved again (a resumed run re-reaching it)
+            shutil.rmtree(pending.final)
+        os.replace(pending.partial, pending.final)
+        _fsync_dir(directory)
+        with atomic_output(directory / "latest") as f:
+            f.write(pending.final.name.encode())
+        if pending.good:
+            mark_good(directory, pending.step)
+        rotate(directory, pending.keep)
+        log.info("saved checkpoint %s", pending.final)
+    if mesh.world_size > 1:
+        dist.barrier(group=_process_group(mesh))  # no rank reads it before it is in place
+    return pending.final
+
+
+def rotate(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, never the `last_good` one."""
     protected = last_good(directory)
-    for old in sorted(directory.glob("step_*.pt"))[:-keep] if keep > 0 else []:
+    for old in checkpoints_in(directory)[keep:] if keep > 0 else []:
         if old == protected:
             continue  # the one to go back to if the newer ones come from a diverging run
-        old.unlink()
-        old.with_suffix(".sha256").unlink(missing_ok=True)
-    log.info("saved checkpoint %s", path)
-    return path
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+            old.with_suffix(".sha256").unlink(missing_ok=True)
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read and verify a checkpoint; CheckpointError names the file when it is unusable."""
+def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the manifest and the digests of this rank's share of the files (rank, world)."""
+    manifest = path / MANIFEST_FILE
+    if not (path / META_FILE).exists():
+        raise CheckpointError(f"{path}: no {META_FILE} (not a checkpoint, or an incomplete one)")
+    if not manifest.exists():
+        raise CheckpointError(f"{path}: its manifest {MANIFEST_FILE} is missing (incomplete checkpoint)")
+    listed = {}
+    for line in manifest.read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        listed[name] = digest
+    names = sorted(listed)
+    rank, world = share
+    for name in names[rank::world]:
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing (the manifest lists it)")
+        if file_digest(file) != listed[name]:
+            raise CheckpointError(f"{file}: checksum does not match {MANIFEST_FILE} (truncated or corrupted)")
+
+
+def _read_sharded_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path / META_FILE}: cannot be read ({err})") from err
+    if meta.get("format") != SHARDED_FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')} is not {SHARDED_FORMAT}")
+    meta["path"] = str(path)
+    meta["sharded"] = True
+    return meta
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    """A single-file checkpoint (the format before sharded ones), verified."""
     manifest = path.with_suffix(".sha256")
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
     if not manifest.exists():
         raise CheckpointError(f"{path}: its manifest {manifest.name} is missing (incomplete checkpoint)")
     expected = manifest.read_text().split()[0]
-    if hashlib.sha256(path.read_bytes()).hexdigest() != expected:
+    if file_digest(path) != expected:
         raise CheckpointError(f"{path}: checksum does not match {manifest.name} (truncated or corrupted)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -195,14 +418,44 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-CORRUPT_SUFFIX = ".corrupt"
+def open_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Verify a checkpoint (a sharded dir: this rank's share of its files) and read what it
+    says of the run; the tensors of a sharded one are read by `restore` or `load`."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        _verify_sharded(path, share)
+        return _read_sharded_meta(path)
+    return _load_file(path)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A whole checkpoint in one process, as full logical tensors: {"params", "buffers",
+    "optim", "config", "step", ...}. For export and sampling."""
+    state = open_checkpoint(path)
+    if not state.get("sharded"):
+        return state
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    full = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in metadata.items()}
+    dcp.load({k: Chunks(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()},
+             storage_reader=dcp.FileSystemReader(str(path)), planner=ChunkLoadPlanner(), no_dist=True)
+    state["params"] = {k[len("model/"):]: t for k, t in full.items() if k.startswith("model/")}
+    state["buffers"] = {k[len("buffer/"):]: t for k, t in full.items() if k.startswith("buffer/")}
+    state["optim"] = {}
+    for k, t in full.items():
+        if k.startswith("optim/"):
+            name, key = k[len("optim/"):].rsplit("/", 1)
+            state["optim"].setdefault(name, {})[key] = t
+    return state
 
 
 def set_aside(path: Path) -> list[Path]:
-    """Rename an unusable checkpoint and its manifest to *.corrupt (never over an earlier one),
-    so that a run writing the same step again cannot overwrite them."""
+    """Rename an unusable checkpoint (and a single file's manifest) to *.corrupt, never over
+    an earlier one, so that a run writing the same step again cannot overwrite them."""
     moved = []
-    for file in (path, path.with_suffix(".sha256")):
+    for file in (path, path.with_suffix(".sha256")) if path.suffix == ".pt" else (path,):
         if not file.exists():
             continue
         target = file.with_name(file.name + CORRUPT_SUFFIX)
@@ -215,33 +468,55 @@ def set_aside(path: Path) -> list[Path]:
     return moved
 
 
-def find_resume(resume: str, directory: Path, set_aside_unusable: bool = True) -> Optional[dict[str, Any]]:
+def find_resume(resume: str, directory: Path, mesh=None) -> Optional[dict[str, Any]]:
     """`none`: start fresh. A path: that checkpoint (errors are fatal). `auto`: the newest
     checkpoint in `directory` that verifies, falling back to older ones (and saying so).
 
-    Under `auto`, unusable checkpoints are renamed to *.corrupt (by the one rank that passes
-    `set_aside_unusable`). When checkpoints exist but none is usable, CheckpointError lists
-    them with their reasons: starting from scratch over a run's checkpoints is for the user
-    to choose (checkpoint.resume=none), not something to do after a warning."""
+    Collective when `mesh` has several ranks: the ranks share the hashing of a sharded
+    checkpoint's files and agree on the verdict. Under `auto`, rank 0 renames unusable
+    checkpoints to *.corrupt. When checkpoints exist but none is usable, CheckpointError lists
+    them with their reasons: starting from scratch over a run's checkpoints is for the user to
+    choose (checkpoint.resume=none), not something to do after a warning."""
     if resume == "none":
         return None
+    rank, world = (mesh.rank, mesh.world_size) if mesh is not None else (0, 1)
+    group = _process_group(mesh) if mesh is not None else None
+
+    def verdict(path: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        try:
+            state, problem = open_checkpoint(path, (rank, world)), None
+        except CheckpointError as err:
+            state, problem = None, str(err)
+        if world > 1:  # one rank's failed share fails the checkpoint for all
+            problems = [None] * world
+            dist.all_gather_object(problems, problem, group=group)
+            problem = next((p for p in problems if p is not None), None)
+        return (None if problem else state), problem
+
     if resume != "auto":
-        return load(Path(resume))
-    candidates = sorted(directory.glob("step_*.pt"), reverse=True)
+        state, problem = verdict(Path(resume))
+        if problem:
+            raise CheckpointError(problem)
+        return state
+    candidates = checkpoints_in(directory)
     latest = directory / "latest"
     if latest.exists():
         named = directory / latest.read_text().strip()
         candidates = [named] + [c for c in candidates if c != named]
-    earlier = sorted(p.name for p in directory.glob(f"step_*.pt{CORRUPT_SUFFIX}*"))
+    earlier = sorted(p.name for p in directory.glob(f"step_*{CORRUPT_SUFFIX}*") if not p.name.endswith(".sha256" + CORRUPT_SUFFIX))
+    if world > 1:  # every rank walks the same list, whatever rank 0 renames meanwhile
+        shared = [candidates, earlier]
+        dist.broadcast_object_list(shared, src=0, group=group)
+        candidates, earlier = shared
     unusable = []
     for path in candidates:
-        try:
-            state = load(path)
-        except CheckpointError as err:
-            unusable.append(str(err))
-            if set_aside_unusable:
+        state, problem = verdict(path)
+        if problem is not None:
+            unusable.append(problem)
+            if rank == 0:
                 moved = set_aside(path)
-                log.warning("skipping unusable checkpoint %s; kept as %s", err, ", ".join(m.name for m in moved) or "-")
+                log.warning("skipping unusable checkpoint %s; kept as %s", problem,
+                            ", ".join(m.name for m in moved) or "-")
             continue
         if unusable:
             log.warning("resuming from %s, the newest usable checkpoint", path.name)
@@ -256,7 +531,7 @@ def find_resume(resume: str, directory: Path, set_aside_unusable: bool = True) -
 
 
 def restore(trainer, state: dict[str, Any]) -> None:
-    """Load a logical checkpoint into a trainer of any (DP, TP) layout."""
+    """Load a checkpoint (from `find_resume`) into a trainer of any (DP, TP) layout."""
     model, mesh = trainer.model, trainer.mesh
     where = state.get("path", "checkpoint")
     saved_optim = state.get("config", {}).get("optim", {}).get("name")
@@ -268,14 +543,87 @@ def restore(trainer, state: dict[str, Any]) -> None:
         )
     params = dict(model.named_parameters())
     expected = {n: (_logical_rows(trainer, n, p),) + tuple(_full_tail(p, mesh)) for n, p in params.items()}
-    found = {n: tuple(t.shape) for n, t in state["params"].items()}
+    if state.get("sharded"):
+        _restore_sharded(trainer, state, expected)
+    else:
+        _restore_file(trainer, state, expected)
+    trainer.step = state["step"]
+    # Checkpoints from before these were saved: the best estimate is what was logged then.
+    trainer.tokens = state.get("tokens", trainer.step * trainer.tokens_per_step)
+    trainer.skipped_steps = state.get("skipped_steps", 0)
+    same_world = len(state["rng"]) == mesh.world_size
+    rng = state["rng"][mesh.rank if same_world else 0]
+    _set_rng_state(_rng_from_json(rng) if state.get("sharded") else rng, trainer.device)
+
+
+def _check_fits(trainer, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
+                buffers: set[str]) -> None:
     differing = sorted(n for n in set(expected) | set(found) if expected.get(n) != found.get(n))
     if differing:
         details = ", ".join(f"{n}: checkpoint {found.get(n)} vs model {expected.get(n)}" for n in differing[:8])
         raise CheckpointError(f"checkpoint does not fit this model; differing keys: {details}")
-    buffers = {k for k in model.state_dict() if k not in params}
-    if buffers != set(state["buffers"]):
-        raise CheckpointError(f"checkpoint buffers differ: {sorted(buffers ^ set(state['buffers']))}")
+    names = dict(trainer.model.named_parameters())
+    mine = {k for k in trainer.model.state_dict() if k not in names}
+    if mine != buffers:
+        raise CheckpointError(f"checkpoint buffers differ: {sorted(mine ^ buffers)}")
+
+
+def _restore_sharded(trainer, state: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """Every rank reads, straight into its parameters and fresh optimizer state, the parts of
+    the stored chunks that its own layout holds."""
+    import torch.distributed.checkpoint as dcp
+
+    model, mesh = trainer.model, trainer.mesh
+    path = state["path"]
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    found = {k[len("model/"):]: tuple(md.size) for k, md in metadata.items() if k.startswith("model/")}
+    buffers = {k[len("buffer/"):] for k in metadata if k.startswith("buffer/")}
+    _check_fits(trainer, expected, found, buffers)
+    params = dict(model.named_parameters())
+    tp = group_size(mesh.tp_group)
+    placements = _placements(trainer)
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()  # the vocabulary padding rows, which the checkpoint does not hold
+    targets: dict[str, Chunks] = {}
+    for name, p in params.items():
+        placement = placements[name]
+        targets[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape), tp),
+                                          pieces_of(p.detach(), tuple(p.shape), 0, placement))
+    for name in buffers:
+        buf = model.get_buffer(name)
+        targets[f"buffer/{name}"] = Chunks(tuple(buf.shape), [((0,) * buf.ndim, buf.detach())])
+    # Fresh optimizer state for what this rank owns now, filled by the load.
+    installs = []
+    for piece in trainer.optimizer.owned_pieces(model):
+        p, placement = params[piece.name], placements[piece.name]
+        prefix = f"optim/{piece.name}/"
+        entry = {}
+        for key in (k[len(prefix):] for k in metadata if k.startswith(prefix) and "/" not in k[len(prefix):]):
+            md = metadata[prefix + key]
+            if len(md.size) == 0:
+                entry[key] = torch.zeros((), dtype=md.properties.dtype)
+                targets[prefix + key] = Chunks((), [((), entry[key])])
+                continue
+            entry[key] = torch.zeros(piece.tensor.numel(), dtype=md.properties.dtype, device=p.device)
+            chunks = targets.setdefault(prefix + key, Chunks(tuple(md.size), []))
+            chunks.pieces += pieces_of(entry[key], tuple(p.shape), piece.start, placement)
+        installs.append((piece, entry))
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(),
+             process_group=_process_group(mesh), no_dist=mesh.world_size == 1)
+    for piece, entry in installs:
+        if entry:
+            trainer.optimizer.optimizers[piece.optimizer].state[piece.tensor] = {
+                k: install_state(k, v if v.ndim == 0 else v.view(piece.tensor.shape), piece.tensor)
+                for k, v in entry.items()
+            }
+
+
+def _restore_file(trainer, state: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """A single-file checkpoint: full logical tensors, cut to this rank's layout."""
+    model, mesh = trainer.model, trainer.mesh
+    params = dict(model.named_parameters())
+    _check_fits(trainer, expected, {n: tuple(t.shape) for n, t in state["params"].items()}, set(state["buffers"]))
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(to_local(state["params"][n], p, getattr(p, "tp_split_dim", None), mesh.tp_group))
@@ -287,12 +635,6 @@ def restore(trainer, state: dict[str, Any]) -> None:
         for name, entry in state["optim"].items()
     }
     trainer.optimizer.load_local_state(model, local)
-    trainer.step = state["step"]
-    # Checkpoints from before these were saved: the best estimate is what was logged then.
-    trainer.tokens = state.get("tokens", trainer.step * trainer.tokens_per_step)
-    trainer.skipped_steps = state.get("skipped_steps", 0)
-    same_world = len(state["rng"]) == mesh.world_size
-    _set_rng_state(state["rng"][mesh.rank if same_world else 0], trainer.device)
 
 
 def _full_tail(param: torch.Tensor, mesh) -> list[int]:

@@ -104,11 +104,16 @@ class CheckpointConfig:
     # Save every `interval` steps (0: only at the end of the run) into <run_dir>/checkpoints.
     interval: int = 500
     # "auto": continue from the newest good checkpoint in this run dir if there is one;
-    # "none": always start fresh; or the path of a step_*.pt file to continue from.
+    # "none": always start fresh; or the path of a checkpoint (a step_<N> dir, or an older
+    # single-file step_<N>.pt) to continue from.
     resume: str = "auto"
     # Keep the newest `keep` checkpoints, and always the newest good one (checkpoints/last_good:
     # its weights went on to train a finite step), which a diverging run would otherwise rotate out.
     keep: int = 3
+    # Write checkpoints in the background: the step pays only for copying the state to host
+    # memory, the files are written while training goes on (torch.distributed.checkpoint's
+    # async_save). The end-of-run and preemption checkpoints are always written at once.
+    async_save: bool = False
 
 
 @dataclass

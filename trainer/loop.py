@@ -136,7 +136,7 @@ class Trainer:
             cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
         self.checkpoint_dir = run_dir / "checkpoints"
-        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh.is_main)
+        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh)
         # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
         cfg, precision_line = resolve_run_precisions(
             cfg, self.device, self.mesh, resumed["config"] if resumed is not None else None
@@ -174,6 +174,10 @@ class Trainer:
         # The step of the newest checkpoint not yet known to be good: its weights are good once
         # the step after it trains finite (see _confirm_checkpoint).
         self.unconfirmed_checkpoint: Optional[int] = None
+        # A checkpoint still being written (checkpoint.async_save), and the gloo group its
+        # background collectives use.
+        self.pending_save: Optional[checkpoint.PendingSave] = None
+        self._async_group = None
         if resumed is not None:
             checkpoint.restore(self, resumed)
             log.info("resumed from step %d", self.step)
@@ -370,9 +374,11 @@ class Trainer:
         self._advance()
         return {**stats, "train/skipped_steps": float(self.skipped_steps)}
 
-    def save_checkpoint(self, evaluated: bool = False) -> None:
+    def save_checkpoint(self, evaluated: bool = False, final: bool = True) -> None:
         """`evaluated`: an eval on these very weights just gave finite losses, so the
-        checkpoint is good now rather than after the next step."""
+        checkpoint is good now rather than after the next step. `final`: nothing follows
+        (the end of the run, a preemption), so it is written at once even under
+        checkpoint.async_save."""
         self._collect_skips()
         with region("checkpoint"):
             if not checkpoint.state_is_finite(self):
@@ -380,9 +386,23 @@ class Trainer:
                     f"diverged: the weights or optimizer state hold NaN/inf at step {self.step}; no checkpoint "
                     f"was written. {self.last_good_line()}"
                 )
-            checkpoint.save(self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config(),
-                            good=evaluated)
+            self.commit_checkpoint()
+            background = self.cfg.checkpoint.async_save and not final
+            if background and self._async_group is None and self.mesh.world_size > 1:
+                self._async_group = dist.new_group(backend="gloo")
+            self.pending_save = checkpoint.save(
+                self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config(), good=evaluated,
+                background=background, async_group=self._async_group,
+            )
+            if not background:
+                self.commit_checkpoint()
         self.unconfirmed_checkpoint = None if evaluated else self.step
+
+    def commit_checkpoint(self) -> None:
+        """Finish the checkpoint being written, if any (see checkpoint.commit_pending)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            checkpoint.commit_pending(pending, self.mesh)
 
     def _check_eval_finite(self, step: int, metrics: dict[str, float]) -> None:
         """Finite weights can still give a NaN/inf loss (weights grown past what the forward
@@ -453,7 +473,7 @@ class Trainer:
                     metrics.update(eval_metrics)
                 interval = cfg.checkpoint.interval
                 if is_last or (interval > 0 and done % interval == 0):
-                    self.save_checkpoint(evaluated=eval_due)
+                    self.save_checkpoint(evaluated=eval_due, final=is_last)
                 if metrics:
                     if sinks is not None:
                         sinks.log(done, self.tokens, metrics)
@@ -465,7 +485,15 @@ class Trainer:
                     # Writing the trace is not training either.
                     window_start, window_steps = time.perf_counter(), 0
                     COMM.reset()
+        except NonFiniteLoss:
+            # Every rank stops here together (the counts and losses are global): a checkpoint
+            # still being written predates the divergence, so it is finished, not dropped.
+            self.commit_checkpoint()
+            raise
         finally:
+            if self._async_group is not None:
+                dist.destroy_process_group(self._async_group)  # the next job of a sweep makes its own
+                self._async_group = None
             profiler.close()
             preemption.restore()
             progress.close()
