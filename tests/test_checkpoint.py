@@ -125,6 +125,27 @@ def test_tp_placement_drops_the_vocabulary_padding():
     assert pieces[1][1].reshape(-1).tolist() == [2., 3., 4., 5., 6., 7.]
 
 
+def _async_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> None:
+    from trainer.mesh import build_mesh
+
+    make_trainer(Path(run_dir), overrides, build_mesh(1)).train()
+
+
+@pytest.mark.slow
+def test_async_save_over_dp_writes_the_same_checkpoints(tmp_path):
+    """Two ranks each write their shards from a background thread, over a gloo group of their
+    own, while training goes on; committed, the checkpoints equal the synchronous ones."""
+    common = ["trainer.batch_size=1", "checkpoint.interval=2", "checkpoint.keep=10"]
+    run_distributed(_async_worker, 2, str(tmp_path / "sync"), common)
+    run_distributed(_async_worker, 2, str(tmp_path / "async"), common + ["checkpoint.async_save=true"])
+    for step in (2, 4, 6, 8):
+        a = checkpoint.load(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
+        b = checkpoint.load(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
+        assert a["mesh"] == b["mesh"] == {"dp": 2, "tp": 1}
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), step
+        assert all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for n in a["optim"] for k in a["optim"][n])
+
+
 def write_single_file_checkpoint(trainer, path: Path) -> None:
     """A checkpoint in the format of earlier versions: one file of full logical tensors."""
     state = checkpoint.logical_state(trainer)
