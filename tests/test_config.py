@@ -122,6 +122,50 @@ def test_cli_reports_bad_values_in_one_line_without_traceback(args, needle):
     assert needle in error_lines[0]
 
 
+@pytest.mark.parametrize("bad, line", [
+    ("optim.muon.ns_dtype=fp16", "error: optim.muon.ns_dtype: unknown value 'fp16'"),
+    ("optim.muon.coefficients=bogus", "error: optim.muon.coefficients: unknown value 'bogus'"),
+    ("optim.muon.tp_mode=bogus", "error: optim.muon.tp_mode: unknown value 'bogus' (expected one of gather, gram)"),
+    ("optim.muon.adjust_lr=bogus", "error: optim.muon.adjust_lr: unknown value 'bogus'"),
+    ("model.score_func=bogus", "error: model.score_func: unknown value 'bogus' (expected one of sigmoid, softmax)"),
+    ("+trainer.max_step=3", "error: trainer.max_step: no such key (did you mean trainer.max_steps?)"),
+    ("+optim.muon.coefs=1", "error: optim.muon.coefs: no such key (did you mean optim.muon.coefficients?)"),
+    ("logger.wandb.mode=online", "error: logger.wandb.mode=online: no wandb credentials"),
+])
+def test_bad_values_fail_in_one_line_before_any_data_work(tmp_path, bad, line):
+    """Before: these failed after the corpus and the model were built (a 26-line traceback),
+    or were accepted (a dense model's score_func, a `+key` Hydra's own typo message suggests)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc with wandb credentials
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "optim=muon", bad,
+         f"data.cache_dir={cache}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), proc.stderr[-2000:]
+    assert not cache.exists()  # no tokenizer, no tokens: nothing was built
+
+
+def test_wandb_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):
+    from trainer.config import wandb_credentials_found
+
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not wandb_credentials_found()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert wandb_credentials_found()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert not wandb_credentials_found()
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert wandb_credentials_found()
+
+
 def test_cli_unknown_preset_fails_before_training():
     proc = run_cli("model=gpt_huge")
     assert proc.returncode != 0

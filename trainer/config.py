@@ -7,6 +7,10 @@ together. Both run before any data, model or process-group work.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +21,7 @@ from data.config import DataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from optim.muon import NS_DTYPES
+from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
 from optim.routing import ALL_KINDS
 
 
@@ -147,7 +152,25 @@ def register_configs() -> None:
 
 def to_dataclass(cfg: DictConfig) -> TrainConfig:
     """The composed Hydra config as a plain, typed TrainConfig."""
+    check_known_keys(cfg)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def check_known_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> None:
+    """Reject keys that no schema field has. Hydra refuses `trainer.foo=1`, but suggests
+    `+trainer.foo=1`, which it then accepts and the typed config silently drops: a typo plus
+    the suggested fix would give a run that ignores the value."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    types = typing.get_type_hints(schema)  # resolves the string annotations
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(fields)})"
+            raise ConfigError(f"{name}: no such key{hint}")
+        sub = types[key]
+        if dataclasses.is_dataclass(sub) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], sub, f"{name}.")
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -179,6 +202,8 @@ def validate(cfg: TrainConfig) -> None:
     if not t.peak_tflops >= 0:  # also rejects NaN
         raise ConfigError(f"trainer.peak_tflops must be >= 0 (0 = measure at start-up), got {t.peak_tflops}")
 
+    # Checked on dense models too: a typo there is still a typo.
+    _choice("model.score_func", m.score_func, ("sigmoid", "softmax"))
     _positive("model.n_layers", m.n_layers)
     _positive("model.n_heads", m.n_heads)
     _positive("model.n_kv_heads", m.n_kv_heads)
@@ -193,6 +218,9 @@ def validate(cfg: TrainConfig) -> None:
 
     _choice("optim.name", o.name, ("muon", "adamw"))
     _choice("optim.muon.ns_dtype", o.muon.ns_dtype, ("auto", *NS_DTYPES))
+    _choice("optim.muon.coefficients", o.muon.coefficients, tuple(COEFFICIENTS))
+    _choice("optim.muon.adjust_lr", o.muon.adjust_lr, ADJUST_LR_MODES)
+    _choice("optim.muon.tp_mode", o.muon.tp_mode, ("gather", "gram"))
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
@@ -215,6 +243,11 @@ def validate(cfg: TrainConfig) -> None:
     _positive("eval.batch_size", cfg.eval.batch_size)
     _positive("logger.interval", cfg.logger.interval)
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
+    if cfg.logger.wandb.mode == "online" and not wandb_credentials_found():
+        raise ConfigError(
+            "logger.wandb.mode=online: no wandb credentials (WANDB_API_KEY unset, no api.wandb.ai entry in "
+            "~/.netrc); run `wandb login`, or use logger.wandb.mode=offline (and `wandb sync` later)"
+        )
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
     _positive("parallel.tp", cfg.parallel.tp)
     _choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
@@ -235,3 +268,19 @@ def _profile_steps(p: ProfileConfig, max_steps: int) -> None:
         raise ConfigError(
             f"profile.steps={steps} starts after trainer.max_steps={max_steps}: nothing would be profiled"
         )
+
+
+def wandb_credentials_found() -> bool:
+    """Whether `wandb.init(mode="online")` will find an API key, checked without importing
+    wandb: the environment, or the netrc file `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+        return True
+    import netrc
+
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+    try:
+        hosts = netrc.netrc(path).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].rstrip("/")
+    return base in hosts
