@@ -166,6 +166,28 @@ def test_wandb_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypa
     assert wandb_credentials_found()
 
 
+def test_help_names_every_preset_the_most_changed_keys_and_the_readme():
+    """`python train.py --help` is our page (conf/hydra/help/train.yaml), not Hydra's dump of
+    the whole config: it must not fall behind the presets in conf/ or the defaults."""
+    import re
+
+    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    page = proc.stdout
+    assert "README.md" in page and len(page.splitlines()) < 40
+    for group in ("model", "optim", "data", "experiment", "hydra/launcher"):
+        for option in sorted((REPO / "conf" / group).glob("*.yaml")):
+            assert re.search(rf"\b{option.stem}\b", page), (group, option.stem)
+    defaults = to_dataclass(compose([]))
+    shown = dict(re.findall(r"^  (\S+)=(\S+)\s{2,}", page, flags=re.M))
+    assert shown.keys() == {"optim.lr", "trainer.max_steps", "trainer.batch_size", "trainer.precision", "seed"}
+    for key, value in shown.items():
+        node = defaults
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert str(node) == value or float(node) == float(value), (key, node, value)
+
+
 def test_cli_unknown_preset_fails_before_training():
     proc = run_cli("model=gpt_huge")
     assert proc.returncode != 0
