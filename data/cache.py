@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -21,6 +23,10 @@ from transformers import PreTrainedTokenizerBase
 from data.atomic import atomic_output
 from data.hashing import digest
 from data.sources import DataConfigError, Document, Source
+
+log = logging.getLogger("data")
+# How often a long tokenization reports how far it got.
+PROGRESS_EVERY_S = 10.0
 
 # Bump when the layout changes (e.g. how documents are separated) to invalidate old caches.
 # 2: the meta holds the tokens' sha256.
@@ -106,6 +112,8 @@ def build_tokens(
     dtype = token_dtype(len(tokenizer))
     n_tokens = 0
     digest = hashlib.sha256()
+    log.info("%s: tokenizing, once; the tokens are cached in %s", name, paths.tokens)
+    start = last_report = time.perf_counter()
     with atomic_output(paths.tokens) as f:
         for ids in encode_documents(source.documents(), tokenizer):
             # np.asarray raises on ids that do not fit the dtype rather than wrapping them.
@@ -113,6 +121,9 @@ def build_tokens(
             f.write(data)
             digest.update(data)
             n_tokens += len(ids)
+            if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
+                last_report = time.perf_counter()
+                log.info("%s: %d tokens so far (%.0fs)", name, n_tokens, last_report - start)
     if n_tokens == 0:
         paths.tokens.unlink()
         hint = getattr(source, "empty_hint", "")

@@ -86,6 +86,9 @@ def get_tokenizer(cfg: DataConfig, train: Source, cache_dir: Path) -> PreTrained
         tokenizer = load_trained(path)
         log.info("tokenizer: reused %s (vocab %d)", path, len(tokenizer))
         return tokenizer
+    # The first run's slow steps say what they do before doing it: nothing else prints meanwhile.
+    log.info("tokenizer: training a byte-level BPE (vocab %d) on up to %.0f MB of the train split, "
+             "once; it is cached in %s", cfg.vocab_size, cfg.tokenizer_train_bytes / 1e6, path.parent)
     start = time.perf_counter()
     build_trained(path, train, cfg.vocab_size, cfg.tokenizer_train_bytes)
     tokenizer = load_trained(path)

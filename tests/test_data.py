@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 import random
 import time
@@ -291,6 +292,29 @@ def test_cache_is_reused_written_atomically_and_repaired(tmp_path, caplog):
     assert np.array_equal(repaired.train, expected)
     assert json.loads(val_meta.read_text())["n_tokens"] == len(first.eval_sets["val"])
     assert not [p for p in cache_dir.rglob("*.tmp")]
+
+
+def test_a_first_run_says_what_it_builds_before_building_it(tmp_path, caplog, monkeypatch):
+    """The first run trains a tokenizer and tokenizes the corpus (minutes on the full corpus):
+    each step is announced before it starts, with where its result is cached, reports its
+    progress, and says how long it took."""
+    import data.cache
+
+    monkeypatch.setattr(data.cache, "PROGRESS_EVERY_S", 0.0)  # report after every batch
+    caplog.set_level("INFO", logger="data")
+    cfg = small_stdlib_config(tmp_path / "cache")
+    prepare_data(cfg)
+    lines = caplog.messages
+    first = {key: next(i for i, m in enumerate(lines) if m.startswith(key)) for key in (
+        "tokenizer: training a byte-level BPE (vocab 512)", "tokenizer: trained",
+        "train: tokenizing, once; the tokens are cached in", "train: built", "val: tokenizing", "val: built")}
+    assert first["tokenizer: training a byte-level BPE (vocab 512)"] < first["tokenizer: trained"]
+    assert first["train: tokenizing, once; the tokens are cached in"] < first["train: built"]
+    assert first["val: tokenizing"] < first["val: built"]
+    assert str(tmp_path / "cache") in lines[first["tokenizer: training a byte-level BPE (vocab 512)"]]
+    progress = [m for m in lines if m.startswith("train: ") and "tokens so far" in m]
+    assert progress and all(re.fullmatch(r"train: \d+ tokens so far \(\d+s\)", m) for m in progress)
+    assert re.search(r"in \d+\.\ds", lines[first["train: built"]])
 
 
 def test_a_different_tokenizer_gets_a_different_cache(tmp_path, small_tokenizer):

@@ -231,7 +231,14 @@ class Trainer:
         """
         if self.mesh.world_size > 1:
             dist.barrier()
-        return device_peak_flops(self.device, self.cfg.trainer.precision)
+        if self.mesh.is_main:
+            log.info("measuring this device's %s matmul peak for perf/mfu (trainer.peak_tflops=<TFLOP/s> "
+                     "skips it)", self.cfg.trainer.precision)
+        start = time.perf_counter()
+        peak = device_peak_flops(self.device, self.cfg.trainer.precision)
+        if self.mesh.is_main:
+            log.info("peak measured in %.1fs", time.perf_counter() - start)
+        return peak
 
     def _eval_sets(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
