@@ -249,6 +249,15 @@ def local_data_files(path: Optional[str], data_files: Optional[list[str]]) -> di
     }
 
 
+def is_saved_dataset(path: Optional[str]) -> bool:
+    """Whether `path` is a directory that `datasets`' save_to_disk wrote (a Dataset or a
+    DatasetDict)."""
+    if not path:
+        return False
+    local = Path(path).expanduser()
+    return (local / "state.json").is_file() or (local / "dataset_dict.json").is_file()
+
+
 @dataclass
 class HFSource:
     """A `datasets.load_dataset` split; doc_id is the record index.
@@ -271,12 +280,27 @@ class HFSource:
         import datasets
 
         try:
+            if is_saved_dataset(self.path):
+                return self._load_saved(datasets)
             return datasets.load_dataset(
                 self.path, self.dataset_config,
                 data_files=self.data_files, split=self.split, streaming=self.streaming,
             )
+        except DataConfigError:
+            raise
         except Exception as err:  # what `datasets` raises names neither the file nor the problem
             raise self._load_error(err) from err
+
+    def _load_saved(self, datasets: Any) -> Any:
+        """A directory `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote, which
+        `load_dataset` refuses (it says to use `load_from_disk`)."""
+        loaded = datasets.load_from_disk(str(Path(self.path).expanduser()))
+        if isinstance(loaded, datasets.DatasetDict):
+            if self.split not in loaded:
+                raise DataConfigError(f"{self.key}.split: no split {self.split!r} in {self.path} "
+                                      f"(splits: {', '.join(loaded)})")
+            loaded = loaded[self.split]
+        return loaded.to_iterable_dataset() if self.streaming else loaded
 
     def _load_error(self, err: Exception) -> DataConfigError:
         return DataConfigError(f"{self.key}: cannot load {self.path!r}: "

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from data.atomic import atomic_output
 from data.hashing import digest, hash_hex
-from data.sources import Document, Source
+from data.sources import DataConfigError, Document, Source
 
 EOS_TOKEN = "<|endoftext|>"
 # Bump when training changes in a way that makes earlier tokenizers wrong to reuse.
@@ -71,9 +71,18 @@ def load_trained(path: Path) -> PreTrainedTokenizerFast:
 
 
 def load_pretrained(name: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        # Offline, a hub id gives a ~100-line traceback from the HTTP client down.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataConfigError(
+            f"data.tokenizer: cannot load {name!r} ({first}). Offline, point data.tokenizer at a directory "
+            "that AutoTokenizer.save_pretrained wrote, or fill the Hugging Face cache where the hub is "
+            "reachable and set HF_HUB_OFFLINE=1"
+        ) from err
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"data.tokenizer: {name!r} has no EOS token, which separates documents")
+        raise DataConfigError(f"data.tokenizer: {name!r} has no EOS token, which separates documents")
     return tokenizer
 
 

@@ -22,6 +22,7 @@ from data.pipeline import prepare_data
 from data.sources import (
     DataConfigError,
     HashSplit,
+    HFSource,
     PydocTopicsSource,
     StdlibSource,
     check_data_config,
@@ -351,6 +352,35 @@ def hf_config(tmp_path: Path, corpus: Path, **overrides) -> DataConfig:
         "cache_dir": str(tmp_path / "cache"), "eval_sets": {},
     }
     return DataConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_hf_a_save_to_disk_directory_loads_with_load_from_disk(tmp_path, hf_cache, as_dict):
+    """Before: a 38-line traceback ending in "use load_from_disk", and no option for it."""
+    import datasets
+
+    texts = [f"saved document {i}: words and more words" for i in range(40)]
+    saved = datasets.Dataset.from_dict({"text": texts})
+    if as_dict:
+        saved = datasets.DatasetDict({"train": saved, "validation": saved.select(range(3))})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    source = HFSource("data", str(tmp_path / "saved"), split="train")
+    assert [t for _, t in source.documents()] == texts
+    if as_dict:
+        with pytest.raises(DataConfigError, match=r"^data.split: no split 'test' in .*saved \(splits: train, validation\)"):
+            list(HFSource("data", str(tmp_path / "saved"), split="test").documents())
+    data = prepare_data(hf_config(tmp_path, tmp_path / "saved", path=str(tmp_path / "saved"), data_files=None,
+                                  val_fraction=0.2), seq_len=8)
+    assert len(data.train) > 0 and len(data.eval_sets["val"]) > 0
+
+
+def test_a_pretrained_tokenizer_that_cannot_be_loaded_is_one_line_naming_the_key():
+    """Before: offline, a 114-line traceback from the HTTP client down."""
+    with pytest.raises(DataConfigError) as err:
+        load_pretrained(str(Path("/nonexistent") / "tokenizer-dir"))
+    message = str(err.value)
+    assert message.startswith("data.tokenizer: cannot load '/nonexistent/tokenizer-dir'") and "\n" not in message
+    assert "save_pretrained" in message and "HF_HUB_OFFLINE=1" in message
 
 
 def test_hf_local_text_files_with_an_hf_eval_set(tmp_path, hf_cache):
