@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.hf_export import ExportError, export, model_config  # noqa: E402
 from trainer import checkpoint  # noqa: E402
+from trainer.run_env import RUN_TOKENIZER_DIR  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,10 +56,12 @@ def load_run(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str
     return model_config(config["model"]), state["params"] | state["buffers"], config
 
 
-def run_tokenizer(config: dict[str, Any], override: Optional[str] = None):
+def run_tokenizer(config: dict[str, Any], override: Optional[str] = None, source: Optional[Path] = None):
     """The tokenizer the run trained with: `override` (a tokenizer.json file, or a directory
-    or name AutoTokenizer loads) if given, else the one the run's data config names (a
-    pretrained tokenizer, or the BPE the trainer built in data.cache_dir)."""
+    or name AutoTokenizer loads) if given; else the copy in the run dir of the checkpoint
+    `source` names (runs save one at start-up, so export works from any directory); else,
+    for runs from before that, the one the run's data config names (a pretrained tokenizer,
+    or the BPE the trainer built in data.cache_dir)."""
     from data.config import DataConfig
     from data.pipeline import resolve_cache_dir
     from data.sources import train_val_sources
@@ -66,6 +69,10 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None):
 
     if override is not None:
         return load_trained(Path(override)) if override.endswith(".json") else load_pretrained(override)
+    if source is not None:
+        in_run_dir = resolve_checkpoint(source).parent.parent / RUN_TOKENIZER_DIR
+        if in_run_dir.is_dir():
+            return load_pretrained(str(in_run_dir))
     known = {f.name for f in fields(DataConfig)}
     data = DataConfig(**{k: v for k, v in config["data"].items() if k in known})
     if data.tokenizer is not None:
@@ -93,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg, tensors, config = load_run(args.checkpoint)
-        tokenizer = run_tokenizer(config, args.tokenizer)
+        tokenizer = run_tokenizer(config, args.tokenizer, args.checkpoint)
         arch = export(cfg, tensors, tokenizer, args.out_dir, DTYPES[args.dtype])
     except (checkpoint.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

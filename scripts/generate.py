@@ -104,7 +104,7 @@ def load_source(source: Path, device: torch.device) -> tuple[Step, object, int]:
 
     cfg, tensors, config = load_run(source)
     model = gpt_from_tensors(cfg, tensors).to(device).eval()
-    return gpt_step(model), run_tokenizer(config), cfg.max_seq_len
+    return gpt_step(model), run_tokenizer(config, source=source), cfg.max_seq_len
 
 
 def main(argv: Optional[list[str]] = None) -> int:

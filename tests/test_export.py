@@ -222,6 +222,20 @@ def test_export_of_a_sharded_run_equals_the_single_process_one(tmp_path, runs, l
     assert theirs.encode("import os\n", add_special_tokens=False) == ours.encode("import os\n")
 
 
+def test_a_run_dir_is_self_contained_export_works_from_anywhere(tmp_path, runs, monkeypatch):
+    """Before: export read the tokenizer from data.cache_dir, relative to where train.py ran,
+    so it failed from any other directory. Now the run dir holds a copy."""
+    copy = runs["tp1"] / "tokenizer"
+    assert (copy / "tokenizer.json").is_file()
+    monkeypatch.chdir(tmp_path)  # nowhere near the run's data cache
+    assert export_hf.main([str(runs["tp1"]), str(tmp_path / "hf")]) == 0
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    in_run = AutoTokenizer.from_pretrained(copy)
+    text = "def f(x):\n    return x  # ünïcödé\n"
+    assert exported.encode(text, add_special_tokens=False) == in_run.encode(text, add_special_tokens=False)
+    assert exported.get_vocab() == in_run.get_vocab()
+
+
 def test_generate_prints_the_same_greedy_text_from_the_checkpoint_and_the_export(tmp_path, runs, capsys):
     from scripts import generate
 

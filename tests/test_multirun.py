@@ -197,19 +197,39 @@ def test_the_shared_id_replaces_the_timestamp_in_run_and_sweep_dirs(monkeypatch)
 
 def fake_hydra(mode: RunMode, **launcher) -> DictConfig:
     return OmegaConf.create({"mode": mode, "sweep": {"dir": "outputs/multirun/2030-01-01_00-00-00"},
+                             "job": {"num": 3, "override_dirname": "optim.lr=0.001,optim=adamw"},
                              "launcher": launcher})
 
 
 def test_sweep_jobs_share_a_wandb_group_unless_the_user_gave_one():
     typed = to_dataclass(compose(["logger.wandb.mode=disabled"]))
     launch.start_job(typed, fake_hydra(RunMode.MULTIRUN))
-    assert typed.logger.wandb.group == "outputs/multirun/2030-01-01_00-00-00"
+    assert typed.logger.wandb.group == "2030-01-01_00-00-00"  # the sweep's name, not a path
     typed = to_dataclass(compose(["logger.wandb.group=mine"]))
     launch.start_job(typed, fake_hydra(RunMode.MULTIRUN))
     assert typed.logger.wandb.group == "mine"
     typed = to_dataclass(compose())
     launch.start_job(typed, fake_hydra(RunMode.RUN))
     assert typed.logger.wandb.group is None
+
+
+def test_sweep_jobs_are_named_by_what_they_vary_and_label_their_progress(capsys):
+    """Before: every run of an lr sweep had the same wandb name, and the progress lines of
+    jobs running side by side could not be told apart."""
+    from trainer.progress import Progress
+
+    typed = to_dataclass(compose(["optim=adamw"]))
+    launch.start_job(typed, fake_hydra(RunMode.MULTIRUN))
+    assert typed.logger.wandb.name == "adamw_gpt_tiny optim.lr=0.001,optim=adamw"
+    assert typed.logger.progress_prefix == "job 3"
+    typed = to_dataclass(compose(["optim=adamw", "logger.wandb.name=mine"]))
+    launch.start_job(typed, fake_hydra(RunMode.RUN))
+    assert typed.logger.wandb.name == "mine" and typed.logger.progress_prefix is None
+    progress = Progress(10, 0, "lines", "job 3")
+    progress.report(5, 2.5, 1000.0)
+    progress.message("step 5: val/val/loss 2.4")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[job 3] step 5/10 | loss 2.5000") and lines[1] == "[job 3] step 5: val/val/loss 2.4"
 
 
 def test_parallel_local_jobs_split_the_cores(monkeypatch):

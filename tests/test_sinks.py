@@ -27,6 +27,7 @@ def test_all_three_sinks_receive_the_metrics(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 5.0), (2, 4.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("tokens")] == [(1, 100.0), (2, 200.0)]
 
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -56,3 +57,34 @@ def test_the_environment_record_keeps_the_first_start_and_appends_resumes(tmp_pa
     assert read_environment(tmp_path) == moved
     assert summary_line(moved) == "commit abcdef1234; Python 3.11.7, torch 2.13.0, CUDA 13.0; NVIDIA H100 x 8 (dp 4, tp 2)"
     assert read_environment(tmp_path / "nowhere") is None
+
+
+def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
+    """The sink names the run as configured and declares tokens the x-axis of every metric."""
+    import sys
+    import types
+
+    calls = []
+
+    class FakeRun:
+        def define_metric(self, name, **kwargs):
+            calls.append(("define_metric", name, kwargs))
+
+        def log(self, record, step):
+            calls.append(("log", record, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(init=lambda **kwargs: calls.append(("init", kwargs)) or FakeRun())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="offline", project="p", group="sweep",
+                                                            name="adamw_gpt_tiny optim.lr=0.001"))
+    sinks = MetricSinks(tmp_path, cfg, "adamw_gpt_tiny", {})
+    sinks.log(1, 100, {"train/loss": 5.0})
+    sinks.close()
+    init = calls[0][1]
+    assert (init["name"], init["group"]) == ("adamw_gpt_tiny optim.lr=0.001", "sweep")
+    assert ("define_metric", "tokens", {}) in calls
+    assert ("define_metric", "*", {"step_metric": "tokens"}) in calls
+    assert ("log", {"tokens": 100, "train/loss": 5.0}, 1) in calls

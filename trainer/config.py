@@ -79,8 +79,12 @@ class WandbConfig:
     mode: str = "offline"
     project: str = "muon-trainer"
     entity: Optional[str] = None
-    # Runs of one sweep share a group, so wandb shows them together.
+    # Runs of one sweep share a group, so wandb shows them together; a sweep names it after its
+    # dir (the last part: the sweep's name or date-time), a single run has none.
     group: Optional[str] = None
+    # The run's name in wandb: null is the run's `name`, followed in a sweep by the overrides
+    # that this job varies (optim.lr=0.001,optim=adamw), so the jobs of a sweep tell apart.
+    name: Optional[str] = None
 
 
 @dataclass
@@ -91,6 +95,9 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # "auto": a tqdm bar on a terminal, plain lines otherwise; "bar"; "lines"; "none".
     progress: str = "auto"
+    # Starts every progress line; a sweep sets it to the job ("job 3") so that the lines of
+    # jobs running side by side (hydra/launcher=local) tell apart.
+    progress_prefix: Optional[str] = None
 
 
 @dataclass

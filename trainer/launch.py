@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -182,9 +183,18 @@ def share_cpu_threads(hydra_cfg: DictConfig) -> None:
 
 def start_job(typed: TrainConfig, hydra_cfg: DictConfig) -> None:
     """State a job must not inherit from the previous job of a sweep in this process."""
-    if hydra_cfg.mode == RunMode.MULTIRUN and typed.logger.wandb.group is None:
-        # The sweep dir names the sweep: its jobs appear together in wandb.
-        typed.logger.wandb.group = str(hydra_cfg.sweep.dir)[-128:]
+    wandb = typed.logger.wandb
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        if wandb.group is None:
+            # The sweep dir names the sweep: its jobs appear together in wandb.
+            wandb.group = Path(str(hydra_cfg.sweep.dir)).name[-128:]
+        if wandb.name is None:
+            varied = hydra_cfg.job.override_dirname
+            wandb.name = f"{typed.name} {varied}"[:128] if varied else typed.name
+        if typed.logger.progress_prefix is None:
+            typed.logger.progress_prefix = f"job {hydra_cfg.job.num}"
+    elif wandb.name is None:
+        wandb.name = typed.name
     share_cpu_threads(hydra_cfg)
     seed_everything(typed.seed)
 

@@ -190,6 +190,7 @@ class Trainer:
                 dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
             )
             self._write_resolved_config()
+            run_env.save_tokenizer(run_dir, self.data.tokenizer)
             run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
             if resumed is not None:
                 self._check_resumed_corpus(resumed["config"])
@@ -436,7 +437,8 @@ class Trainer:
                 self.run_dir, cfg.logger, cfg.name, {**self.resolved_config(), "environment": self.environment},
                 metric_names=["train/loss", *(f"val/{name}/loss" for name in self.eval_sets)],
             )
-        progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none")
+        progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none",
+                            cfg.logger.progress_prefix)
         last: dict[str, float] = {}
         window_start, window_steps = time.perf_counter(), 0
         COMM.reset()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -15,14 +16,16 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total_steps: int, start_step: int, mode: str) -> None:
+    def __init__(self, total_steps: int, start_step: int, mode: str, prefix: Optional[str] = None) -> None:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode
         self.total = total_steps
         self.start_step = start_step
         self.start_time = time.perf_counter()
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True) if mode == "bar" else None
+        self.prefix = f"[{prefix}] " if prefix else ""
+        self.bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, desc=prefix)
+                    if mode == "bar" else None)
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -37,16 +40,16 @@ class Progress:
             elapsed = time.perf_counter() - self.start_time
             eta = elapsed / max(done, 1) * (self.total - step)
             print(
-                f"step {step}/{self.total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
+                f"{self.prefix}step {step}/{self.total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
                 f"eta {_fmt_duration(eta)}",
                 flush=True,
             )
 
     def message(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(self.prefix + text)
         elif self.mode != "none":
-            print(text, flush=True)
+            print(self.prefix + text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

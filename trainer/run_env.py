@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 # without it.
 
 ENV_FILE = "environment.json"
+# The run's tokenizer, saved into its run dir so that export and sampling work from anywhere.
+RUN_TOKENIZER_DIR = "tokenizer"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIT_TIMEOUT_S = 10
 
@@ -132,3 +134,22 @@ def summary_line(env: dict[str, Any]) -> str:
     cuda = f", CUDA {env['cuda']}" if env.get("cuda") else ""
     return (f"commit {commit}; Python {env.get('python')}, torch {env.get('torch')}{cuda}; "
             f"{env.get('device')} x {env.get('world_size')} (dp {layout.get('dp')}, tp {layout.get('tp')})")
+
+
+def save_tokenizer(run_dir: Path, tokenizer) -> Path:
+    """Copy the tokenizer into <run_dir>/tokenizer (once: a resumed run keeps the first copy).
+    Written to a temporary dir and renamed, so the dir is complete or absent."""
+    import shutil
+    import tempfile
+
+    target = run_dir / RUN_TOKENIZER_DIR
+    if target.is_dir():
+        return target
+    run_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".{RUN_TOKENIZER_DIR}."))
+    try:
+        tokenizer.save_pretrained(str(staging))
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

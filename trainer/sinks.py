@@ -63,16 +63,21 @@ class MetricSinks:
                 project=cfg.wandb.project,
                 entity=cfg.wandb.entity,
                 group=cfg.wandb.group,
-                name=run_name,
+                name=cfg.wandb.name or run_name,
                 config=config,
                 reinit="finish_previous",
             )
+            # Tokens as the x-axis of every panel: runs with other batch sizes line up by data
+            # seen (the step stays selectable).
+            self.wandb_run.define_metric("tokens")
+            self.wandb_run.define_metric("*", step_metric="tokens")
 
     def log(self, step: int, tokens: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "tokens": tokens, **metrics}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
+            self.tb.add_scalar("tokens", tokens, global_step=step)
             for name, value in metrics.items():
                 self.tb.add_scalar(name, value, global_step=step)
         if self.wandb_run is not None:
