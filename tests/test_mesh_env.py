@@ -77,3 +77,28 @@ def test_adopt_exports_the_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     adopt_slurm_env()
     assert world_size_from_env() == 8 and os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[003-005,9]", "node1,node2,node3,node4", "a[1-2],b[07-08]"])
+@pytest.mark.parametrize("procid, localid, nodeid", [(0, 0, 0), (5, 1, 2), (7, 1, 3)])
+def test_agrees_with_submitits_helper_where_both_apply(monkeypatch, nodelist, procid, localid, nodeid):
+    """Inside a job that submitit launched with equal tasks per node, submitit's
+    TorchDistributedEnvironment and ours give the same rank, world, local rank, local world
+    and rendezvous host. Ours is kept because submitit's only works inside submitit-launched
+    jobs (not a plain `srun python train.py`), reads the allocation's task count rather than
+    the step's, and assumes the same task count on every node."""
+    helpers = pytest.importorskip("submitit.helpers")
+    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "1234", "SLURM_NTASKS": "8",
+           "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": str(nodeid), "SLURM_JOB_NODELIST": nodelist,
+           "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_TASKS_PER_NODE": "2(x4)"}
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_")) or key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                              "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    theirs = helpers.TorchDistributedEnvironment()
+    ours = torch_env_from_slurm(env)
+    assert (int(ours["RANK"]), int(ours["WORLD_SIZE"]), int(ours["LOCAL_RANK"]), int(ours["LOCAL_WORLD_SIZE"])) == (
+        theirs.rank, theirs.world_size, theirs.local_rank, theirs.local_world_size)
+    assert ours["MASTER_ADDR"] == theirs.master_addr

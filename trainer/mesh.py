@@ -93,6 +93,11 @@ def torch_env_from_slurm(env: Mapping[str, str]) -> dict[str, str]:
     """torch's env:// variables for one task of a multi-task SLURM step (srun, or the submitit
     launcher, which starts every rank as a SLURM task instead of through torchrun).
 
+    submitit's TorchDistributedEnvironment gives the same values inside the jobs it launched
+    (tests/test_mesh_env.py checks that), but it refuses to run in a plain `srun` step, counts
+    the allocation's tasks rather than the step's, and assumes every node runs as many tasks:
+    hence this reading of SLURM's variables.
+
     Empty when torchrun's RANK and WORLD_SIZE are already set, or this is not such a step.
     A MASTER_ADDR or MASTER_PORT the user exported is kept.
     """
