@@ -48,6 +48,16 @@ class Run:
     def label(self) -> str:
         return f"{self.optimizer} lr={self.lr:g}" if self.lr is not None else self.optimizer
 
+    def unfinished(self) -> Optional[str]:
+        """Why the run cannot count as finished: it logged fewer steps than its
+        trainer.max_steps (still running, killed, or stopped by divergence). None otherwise,
+        or when its config does not say how long it was meant to be."""
+        planned = self.config.get("trainer", {}).get("max_steps")
+        last = final_step(self, "train/loss")
+        if planned is None or last is None or last >= int(planned):
+            return None
+        return f"{self.path} logged up to step {last} of its {planned}"
+
     def final(self, key: str) -> Optional[float]:
         return self.series[key][1][-1] if key in self.series and self.series[key][1] else None
 

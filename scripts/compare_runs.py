@@ -262,6 +262,12 @@ def main() -> None:
 
     loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
     longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
+    # A run still going (or stopped early) would enter the tables as a shorter schedule.
+    unfinished = [run.unfinished() for run in loaded + longer_runs if run.unfinished()]
+    for reason in unfinished:
+        print(f"warning: not compared, unfinished: {reason}", file=sys.stderr)
+    loaded = [run for run in loaded if not run.unfinished()]
+    longer_runs = [run for run in longer_runs if not run.unfinished()]
     try:
         arms, longer = group_arms(loaded), group_arms(longer_runs)
     except ValueError as err:
@@ -303,6 +309,9 @@ def main() -> None:
             print(f"wrote {path}")
 
     report = runs_section(a, b, longer, mixed)
+    if unfinished:
+        report += ["Not compared, unfinished (fewer steps logged than trainer.max_steps):", ""]
+        report += [f"- {reason}" for reason in unfinished] + [""]
     if swept:
         report += ["## Sweep: final losses of every run", ""]
         report += sweep_table(arms, selected, eval_keys(loaded)) + [""]

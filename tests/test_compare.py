@@ -196,6 +196,26 @@ def test_the_schedule_ratio_takes_the_best_lr_at_each_length(tmp_path):
     assert row.endswith(f"| {1 + 0.5 * t:.3f} |"), row
 
 
+def test_unfinished_runs_are_left_out_and_named(tmp_path):
+    """A run still going (or killed) would enter the tables as a shorter schedule: left out,
+    with a warning and a line in summary.md naming it."""
+    def curve(scale: float, steps: int) -> list[float]:
+        return [scale * 10.0 / s for s in range(1, steps + 1)]
+
+    write_run(tmp_path / "muon", "muon", 3e-3, curve(1.0, 40))
+    write_run(tmp_path / "adamw", "adamw", 1e-3, curve(1.5, 40))
+    write_run(tmp_path / "longer" / "a", "adamw", 1e-3, curve(1.5, 60))
+    write_run(tmp_path / "longer" / "b", "adamw", 1e-3, curve(1.5, 30))  # meant to run 80 steps
+    for name, steps in (("muon", 40), ("adamw", 40), ("longer/a", 60), ("longer/b", 80)):
+        config = tmp_path / name / ".hydra" / "config.yaml"
+        config.write_text(config.read_text() + f"trainer:\n  max_steps: {steps}\n")
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), "--longer", str(tmp_path / "longer"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: not compared, unfinished: {tmp_path / 'longer' / 'b'} logged up to step 30 of its 80" in proc.stderr
+    assert "B at 2x" not in proc.stdout and "| loss | A final | B at 1x | B at 1.5x | schedule ratio B/A |" in proc.stdout
+    assert f"- {tmp_path / 'longer' / 'b'} logged up to step 30 of its 80" in (tmp_path / "cmp" / "summary.md").read_text()
+
+
 def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0])
     write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5])
