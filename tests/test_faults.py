@@ -381,3 +381,14 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
     assert proc.wait(timeout=120) == 130
     assert "Traceback" not in proc.stderr.read()
     assert not (tmp_path / "metrics.jsonl").exists()  # it never reached training
+
+
+def test_a_skip_collected_at_a_checkpoint_still_reaches_the_metrics(tmp_path):
+    """Step 1 is skipped on the device; the checkpoint at step 2 (not a logging step) reads the
+    count; the logging step 3 must still report it."""
+    trainer = make_trainer(tmp_path, ["trainer.batch_size=2", "trainer.nonfinite=skip", "logger.interval=3",
+                                      "checkpoint.interval=2", "trainer.max_steps=3"])
+    poison_step(trainer, 1)
+    trainer.train()
+    logged = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert logged[3]["train/skipped_steps"] == 1.0

@@ -300,7 +300,8 @@ def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool
         meta = {"format": SHARDED_FORMAT, "step": trainer.step, "tokens": trainer.tokens,
                 "skipped_steps": trainer.skipped_steps, "mesh": {"dp": mesh.dp, "tp": mesh.tp},
                 "rng": rng, "config": config}
-        (partial / META_FILE).write_text(json.dumps(meta))
+        with atomic_output(partial / META_FILE) as f:  # fsynced, like the tensor files
+            f.write(json.dumps(meta).encode())
     state = sharded_state(trainer)
     writer = dcp.FileSystemWriter(str(partial), sync_files=True)
     no_dist = mesh.world_size == 1

@@ -115,7 +115,8 @@ class ParallelConfig:
 class CheckpointConfig:
     # Save every `interval` steps (0: only at the end of the run) into <run_dir>/checkpoints.
     interval: int = 500
-    # "auto": continue from the newest good checkpoint in this run dir if there is one;
+    # "auto": continue from the newest checkpoint in this run dir that verifies, if any (to go
+    # back to checkpoints/last_good after a divergence, pass its path);
     # "none": always start fresh; or the path of a checkpoint (a step_<N> dir, or an older
     # single-file step_<N>.pt) to continue from.
     resume: str = "auto"

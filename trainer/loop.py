@@ -59,7 +59,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.dev
 
 
 def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
-    """Rank 0 builds the tokenizer and token caches while the others wait, then every rank
+    """Each node's local rank 0 builds the tokenizer and token caches while the node's other
+    ranks wait, then every rank
     opens them. (The cache writes are atomic, so concurrent builders would be safe too;
     waiting just avoids doing the work world-size times.)"""
     if mesh.world_size > 1 and dev.local_rank() != 0:
@@ -286,7 +287,10 @@ class Trainer:
         stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
         self.skips.note(found_inf, self.step + 1)
         if measure:
-            if self._collect_skips():
+            # Every logging step once any step was skipped: skips collected at a checkpoint
+            # between logging steps must reach the metrics too.
+            self._collect_skips()
+            if self.skipped_steps:
                 stats["train/skipped_steps"] = float(self.skipped_steps)
             if found_inf.item():
                 return self._nonfinite_step(stats)
