@@ -87,7 +87,7 @@ def test_analyze_trace_script_compares_two_runs(dp2_run):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    print(proc.stdout)  # the example in the README comes from here (pytest -s)
+    print(proc.stdout)  # the report, for reading with pytest -s
     assert "ratio B/A 1.000" in proc.stdout  # a run against itself
     assert "B - A +0.00 points" in proc.stdout
     assert "MiB" in proc.stdout  # state memory from metrics.jsonl
