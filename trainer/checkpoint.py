@@ -30,6 +30,7 @@ import re
 import shutil
 import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -231,9 +232,9 @@ def _state_key(name: str, key: str) -> str:
     return f"optim/{name}/{key}"
 
 
-def sharded_state(trainer) -> dict[str, Chunks]:
-    """This rank's pieces of every logical tensor, as views of the live tensors. DP replicas
-    offer the same pieces; DCP writes each once."""
+def model_chunks(trainer) -> dict[str, Chunks]:
+    """This rank's pieces of every parameter and persistent buffer, as views of the live
+    tensors: what a save writes from, and what a load fills in place."""
     model = trainer.model
     tp = group_size(trainer.mesh.tp_group)
     params = dict(model.named_parameters())
@@ -246,6 +247,17 @@ def sharded_state(trainer) -> dict[str, Chunks]:
     for name, buf in model.state_dict().items():
         if name not in params:  # persistent buffers (MoE expert biases), the same on every rank
             out[f"buffer/{name}"] = Chunks(tuple(buf.shape), [((0,) * buf.ndim, buf.detach())])
+    return out
+
+
+def sharded_state(trainer) -> dict[str, Chunks]:
+    """This rank's pieces of every logical tensor, as views of the live tensors. DP replicas
+    offer the same pieces; DCP writes each once."""
+    model = trainer.model
+    tp = group_size(trainer.mesh.tp_group)
+    params = dict(model.named_parameters())
+    placements = _placements(trainer)
+    out = model_chunks(trainer)
     for piece in trainer.optimizer.owned_pieces(model):
         p, placement = params[piece.name], placements[piece.name]
         state = trainer.optimizer.optimizers[piece.optimizer].state.get(piece.tensor, {})
@@ -261,13 +273,17 @@ def sharded_state(trainer) -> dict[str, Chunks]:
     return out
 
 
+@dataclass
 class PendingSave:
     """A save whose files may still be being written (checkpoint.async_save): committed, that
     is hashed, renamed into place and pointed to, by `commit_pending` on every rank."""
 
-    def __init__(self, partial: Path, final: Path, step: int, good: bool, keep: int,
-                 future: Optional[Future]) -> None:
-        self.partial, self.final, self.step, self.good, self.keep, self.future = partial, final, step, good, keep, future
+    partial: Path
+    final: Path
+    step: int
+    good: bool
+    keep: int
+    future: Optional[Future]
 
 
 def _process_group(mesh):
@@ -581,19 +597,11 @@ def _restore_sharded(trainer, state: dict[str, Any], expected: dict[str, tuple[i
     buffers = {k[len("buffer/"):] for k in metadata if k.startswith("buffer/")}
     _check_fits(trainer, expected, found, buffers)
     params = dict(model.named_parameters())
-    tp = group_size(mesh.tp_group)
     placements = _placements(trainer)
     with torch.no_grad():
         for p in params.values():
             p.zero_()  # the vocabulary padding rows, which the checkpoint does not hold
-    targets: dict[str, Chunks] = {}
-    for name, p in params.items():
-        placement = placements[name]
-        targets[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape), tp),
-                                          pieces_of(p.detach(), tuple(p.shape), 0, placement))
-    for name in buffers:
-        buf = model.get_buffer(name)
-        targets[f"buffer/{name}"] = Chunks(tuple(buf.shape), [((0,) * buf.ndim, buf.detach())])
+    targets = model_chunks(trainer)
     # Fresh optimizer state for what this rank owns now, filled by the load.
     installs = []
     for piece in trainer.optimizer.owned_pieces(model):

@@ -26,7 +26,7 @@ class SkipReport:
 class SkipCounter:
     # One small device tensor, read with a single transfer: [skipped, first, current run,
     # longest run].
-    SKIPPED, FIRST, CURRENT, LONGEST = range(4)
+    SKIPPED = 0
 
     def __init__(self, device: torch.device) -> None:
         self.counts = torch.zeros(4, dtype=torch.long, device=device)
@@ -36,17 +36,15 @@ class SkipCounter:
         """Record whether step `step` (1-based) was skipped; `found_inf` is 0 or 1 on the device."""
         self.through = step
         bad = found_inf.to(torch.long)
-        c = self.counts
-        c[self.SKIPPED] += bad
-        c[self.FIRST] = torch.where((c[self.FIRST] == 0) & (bad != 0), step, c[self.FIRST])
-        c[self.CURRENT] = (c[self.CURRENT] + bad) * bad
-        c[self.LONGEST] = torch.maximum(c[self.LONGEST], c[self.CURRENT])
+        skipped, first, current, longest = self.counts.unbind()
+        current = (current + bad) * bad
+        # Elementwise ops and one stack, no indexed writes: this runs on every training step.
+        self.counts = torch.stack([skipped + bad, torch.where((first == 0) & (bad != 0), step, first),
+                                   current, torch.maximum(longest, current)])
 
     def collect(self) -> SkipReport:
         """Read and reset the window (a host sync). A run of skips still going carries over,
         so a run that spans two windows is measured whole."""
         skipped, first, current, longest = self.counts.tolist()
-        self.counts[self.SKIPPED] = 0
-        self.counts[self.FIRST] = 0
-        self.counts[self.LONGEST] = current
+        self.counts = torch.tensor([0, 0, current, current], dtype=torch.long, device=self.counts.device)
         return SkipReport(skipped, first, longest, self.through)
