@@ -46,7 +46,11 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.optimizer} lr={self.lr:g}" if self.lr is not None else self.optimizer
+        label = f"{self.optimizer} lr={self.lr:g}" if self.lr is not None else self.optimizer
+        clip = self.config.get("optim", {}).get("qk_clip", {})
+        if clip.get("enabled"):
+            label += f" qk_clip tau={float(clip['tau']):g}"
+        return label
 
     def unfinished(self) -> Optional[str]:
         """Why the run cannot count as finished: it logged fewer steps than its

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention_logits import attention_with_head_max, causal_max_logit
 from model.config import ModelConfig
 from model.moe import MoE
 
@@ -112,6 +113,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # While QK-clip is on (optim/qk_clip.py), the largest pre-softmax logit of each of this
+        # rank's query heads over the step's training forward passes; None otherwise.
+        self.register_buffer("head_max_logit", None, persistent=False)
 
     def forward(
         self,
@@ -140,10 +144,14 @@ class Attention(nn.Module):
             causal = start == 0
             if not causal and seq > 1:
                 mask = cached_causal_mask(start, seq, x.device)
-        # GQA: each kv head serves n_heads / n_kv_heads query heads.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        if self.head_max_logit is not None and kv is None and torch.is_grad_enabled():
+            y, head_max = attention_with_head_max(q, k, v)
+            self.head_max_logit.copy_(torch.maximum(self.head_max_logit, head_max))
+        else:
+            # GQA: each kv head serves n_heads / n_kv_heads query heads.
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         return self.wo(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -152,20 +160,6 @@ def cached_causal_mask(start: int, seq: int, device: torch.device) -> torch.Tens
     keys = torch.arange(start + seq, device=device)
     queries = torch.arange(start, start + seq, device=device)
     return keys[None, :] <= queries[:, None]
-
-
-def causal_max_logit(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Largest pre-softmax logit q.k/sqrt(d) over visible (causal) positions, as a 0-d tensor.
-
-    The fused attention kernel never materialises the logits, so this recomputes them; the
-    trainer asks for it on one eval batch only, keeping the training hot path free of it.
-    """
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    seq = q.shape[2]
-    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-    return logits.masked_fill(future, float("-inf")).amax()
 
 
 class SwiGLU(nn.Module):

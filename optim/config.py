@@ -33,6 +33,15 @@ class MuonConfig:
 
 
 @dataclass
+class QKClipConfig:
+    # QK-clip (Kimi K2's MuonClip): after each optimizer step, a head whose largest
+    # pre-softmax logit over the step's forward passes exceeded `tau` has its W_q (and W_k)
+    # rows scaled so that logit becomes tau (see optim/qk_clip.py). Any optimizer; off by default.
+    enabled: bool = False
+    tau: float = 100.0
+
+
+@dataclass
 class OptimConfig:
     # "muon": Muon on hidden matrices + AdamW on the rest; "adamw": AdamW on everything.
     name: str = "adamw"
@@ -59,3 +68,4 @@ class OptimConfig:
     # step. See BENCHMARKS.md for the side-by-side measurement behind the default.
     gather_buckets: int = 1
     muon: MuonConfig = field(default_factory=MuonConfig)
+    qk_clip: QKClipConfig = field(default_factory=QKClipConfig)

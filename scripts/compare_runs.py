@@ -298,6 +298,9 @@ def main() -> None:
                            "output_rms.png"),
                plot_family(selected, "attn/max_logit/", "max attention logit per layer", args.out,
                            "max_attn_logit.png"),
+               # QK-clip runs only (optim.qk_clip.enabled; tau=inf records without clipping):
+               # the training batches' largest logit before and after the clip, heads clipped
+               plot_family(selected, "optim/qk_clip/", "QK-clip, every logged step", args.out, "qk_clip.png"),
                # MoE runs only: how evenly each layer's router spreads tokens, and how far the
                # aux-loss-free bias had to move to get there
                plot_family(selected, "moe/load_imbalance/", "MoE load imbalance (max / mean tokens per expert)",

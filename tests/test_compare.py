@@ -152,7 +152,8 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
     write_run(tmp_path / "longer" / "1", "adamw", 1e-3, curve(1.5, 80))
     with open(tmp_path / "sweep" / "0" / "metrics.jsonl", "a") as f:  # health metrics get plots
         f.write(json.dumps({"step": 40, "optim/update_rms/mlp_in": 0.2, "model/output_rms/final": 1.0,
-                            "moe/load_imbalance/layer_1": 1.3, "moe/bias_spread/layer_1": 0.02}) + "\n")
+                            "moe/load_imbalance/layer_1": 1.3, "moe/bias_spread/layer_1": 0.02,
+                            "optim/qk_clip/max_logit": 40.0, "optim/qk_clip/heads_clipped": 2}) + "\n")
     proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "sweep"),
                            "--longer", str(tmp_path / "longer"), "--out", str(tmp_path / "cmp")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -168,7 +169,7 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
     for key in ("val/val/loss", "val/ood_prose/loss"):
         row = next(line for line in honest if line.startswith(f"| {key} "))
         assert row.replace(" ", "").endswith("|1.500|"), row
-    for name in ("update_rms.png", "output_rms.png", "moe_load_imbalance.png", "moe_expert_bias.png"):
+    for name in ("update_rms.png", "output_rms.png", "moe_load_imbalance.png", "moe_expert_bias.png", "qk_clip.png"):
         assert (tmp_path / "cmp" / name).stat().st_size > 1000
     assert not (tmp_path / "cmp" / "max_attn_logit.png").exists()  # a family no run logged
 
@@ -281,3 +282,15 @@ def test_a_run_resumed_on_another_corpus_matches_neither(tmp_path):
     assert load_run(tmp_path / "adamw").corpus_id == "aaaaaaaaaaaa+bbbbbbbbbbbb"
     proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
     assert proc.returncode != 0 and "corpus aaaaaaaaaaaa+bbbbbbbbbbbb" in proc.stderr
+
+
+def test_a_qk_clip_run_is_labelled_with_its_tau_and_kept_apart_from_the_unclipped_one(tmp_path):
+    from eval.seeds import group_arms
+
+    write_run(tmp_path / "off", "muon", 3e-2, [5, 4, 3], seed=0)
+    write_run(tmp_path / "on", "muon", 3e-2, [5, 4, 3.1], seed=0)
+    config = tmp_path / "on" / ".hydra" / "config.yaml"
+    config.write_text(config.read_text().rstrip("\n") + "\n  qk_clip:\n    enabled: true\n    tau: 30.0\n")
+    off, on = load_run(tmp_path / "off"), load_run(tmp_path / "on")
+    assert (off.label, on.label) == ("muon lr=0.03", "muon lr=0.03 qk_clip tau=30")
+    assert [arm.label for arm in group_arms([off, on])] == [off.label, on.label]

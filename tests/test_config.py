@@ -89,6 +89,8 @@ def test_unknown_preset_is_reported():
         (["optim.gather_buckets=0"], "optim.gather_buckets"),
         (["parallel.backend=mpi"], "parallel.backend"),
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
+        (["optim.qk_clip.enabled=true", "optim.qk_clip.tau=0"], "optim.qk_clip.tau"),
+        (["optim.qk_clip.enabled=true", "model.qk_norm=true"], "model.qk_norm"),
     ],
 )
 def test_validate_names_the_offending_key(overrides, key):

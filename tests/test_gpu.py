@@ -252,3 +252,41 @@ def test_muon_compiled_updates_on_cuda_equal_the_eager_ones():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_attention_head_max_equals_the_explicit_logits_on_cuda(dtype):
+    """QK-clip's CUDA path: FlexAttention's in-kernel row maxima, output and gradients against
+    the explicit-logit attention that the CPU path (and CI) runs."""
+    from model.attention_logits import explicit_attention_with_head_max, flex_attention_with_head_max
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 128, 64, device="cuda", dtype=dtype, requires_grad=True) for h in (8, 2, 2))
+    with torch.no_grad():
+        q.mul_(3.0)  # logits of order 10, as where the clip matters
+    out, head_max = flex_attention_with_head_max(q, k, v)
+    ref, ref_max = explicit_attention_with_head_max(q, k, v)
+    assert head_max.shape == (8,)
+    torch.testing.assert_close(head_max, ref_max, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2 if dtype == torch.bfloat16 else 1e-3,
+                                   atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_qk_clip_training_on_cuda_clips_and_keeps_its_logits_at_tau(tmp_path, compiled):
+    _, train_losses = train_in_process(tmp_path, [
+        "model=gpt_tiny", "optim=muon", "trainer.device=cuda", "trainer.precision=bf16",
+        f"trainer.compile={str(compiled).lower()}", "checkpoint.interval=0",
+        "trainer.max_steps=20", "trainer.batch_size=4", "trainer.seq_len=128", "logger.interval=1",
+        "eval.interval=0", "optim.qk_clip.enabled=true", "optim.qk_clip.tau=1", "model.init_std=0.3",
+    ])
+    records = [r for r in read_metrics(tmp_path) if "optim/qk_clip/heads_clipped" in r]
+    assert len(records) == 20 and all(math.isfinite(x) for x in train_losses)
+    assert records[0]["optim/qk_clip/heads_clipped"] == 8  # every head of gpt_tiny at step 1
+    for r in records:
+        assert r["optim/qk_clip/max_logit_after"] == pytest.approx(min(r["optim/qk_clip/max_logit"], 1.0), rel=1e-4)

@@ -239,6 +239,16 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optim.wsd_decay_fraction must lie in (0, 1], got {o.wsd_decay_fraction}")
 
+    if o.qk_clip.enabled:
+        if not o.qk_clip.tau > 0:
+            raise ConfigError(f"optim.qk_clip.tau must be > 0, got {o.qk_clip.tau}")
+        if m.qk_norm:
+            # The norm divides out any scale on W_q / W_k rows, so the clip could not act.
+            raise ConfigError(
+                "optim.qk_clip.enabled=true with model.qk_norm=true: QK-norm already bounds the "
+                "logits and undoes the clip's W_q / W_k scaling; turn one of them off"
+            )
+
     for kind in o.weight_decay_overrides:
         if kind not in ALL_KINDS:
             raise ConfigError(

@@ -27,6 +27,7 @@ from model.moe import balance_experts, reset_routing_stats
 from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
 from optim.builder import build_optimizer
+from optim.qk_clip import QKClip
 from optim.schedule import lr_at
 from trainer import checkpoint
 from trainer import device as dev
@@ -157,6 +158,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh,
                                          compile_updates=t.compile and self.device.type == "cuda")
         self.health = HealthStats(self.model, self.mesh.tp_group)
+        clip = cfg.optim.qk_clip
+        self.qk_clip = QKClip(self.model, clip.tau, self.mesh.dp_group, self.mesh.tp_group) if clip.enabled else None
 
         self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
         self.tokens_per_step = self.global_batch * t.seq_len
@@ -303,6 +306,8 @@ class Trainer:
         with region("optimizer"):
             self.optimizer.step(found_inf)
             self.optimizer.zero_grad()
+            if self.qk_clip is not None:
+                self.qk_clip.apply(found_inf)
         moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum, found_inf)
         if measure:
             dev.synchronize(self.device)
@@ -318,6 +323,8 @@ class Trainer:
             stats.update({f"model/output_rms/layer_{i}": v for i, v in enumerate(rms[:-1])})
             stats["model/output_rms/final"] = rms[-1]
             stats.update(moe)
+            if self.qk_clip is not None:
+                stats.update(self.qk_clip.metrics())
         self._advance()
         return stats
 
@@ -331,6 +338,8 @@ class Trainer:
         update or metrics, and a NaN in them would poison every later step."""
         reset_routing_stats(self.model)
         self.model.output_sq_sum.zero_()
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
 
     def _collect_skips(self) -> int:
         """Read the steps the device skipped since the last call (a host sync: called on
