@@ -1,0 +1,346 @@
+"""What a training step costs per GPU, for four ZeRO-1 optimizer designs, at any layout.
+
+Exact from shapes alone: the bytes every collective moves and the Newton-Schulz FLOPs each
+rank runs (our design's LPT plan is the real one, optim/zero_plan.py). Predicted from a
+hardware profile (conf/hardware/*.yaml): times, by the alpha-beta model of eval/collectives.py,
+a matmul rate and an HBM bandwidth. scripts/bench_comm.py prints the exact part at the layouts
+this machine runs; scripts/plan_scale.py prints all of it from 8 to 1,024 GPUs.
+
+Designs, per optimizer step and per rank:
+  adamw-zero1   AdamW, flat ZeRO-1: reduce-scatter grads + all-gather params.
+  muon-ours     every Muon matrix owned whole by one DP rank, owners balanced by LPT on
+                Newton-Schulz cost, AdamW filling the rest (optim/zero_plan.py).
+  moonlight     a flat, concatenated partition: matrices that cross a DP shard boundary are
+                DP-gathered and orthogonalised by every rank that holds part of them.
+  megatron-poc  a bucketed layout that splits every parameter across DP: every matrix is
+                DP-gathered and every DP rank repeats every Newton-Schulz.
+
+Conventions: gradients and parameters move in fp32 (4 bytes); the baselines' extra momentum
+gathers in bf16 (2 bytes), as Moonlight and the Megatron proof of concept do. Byte counts are
+the full buffer of each collective (model/comm.py). TP bytes are the Newton-Schulz TP traffic
+of tp_mode=gather (the momentum all-gather of TP-sharded matrices). Newton-Schulz FLOPs:
+5 steps of 4 m^2 n + 2 m^3 per m x n matrix (m <= n), on full matrices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from eval.collectives import Link, all_reduce_s, ring_all_gather_s, ring_reduce_scatter_s
+from eval.flops import train_flops_per_token
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.parallelize import tp_split_dim
+from model.tp_layers import padded_vocab
+from optim.routing import route_parameters
+from optim.zero_plan import ParamSpec, ZeroPlan, build_plan
+
+NS_STEPS = 5
+DESIGNS = ("adamw-zero1", "muon-ours", "moonlight", "megatron-poc")
+REPO = Path(__file__).resolve().parents[1]
+# HBM bytes per owned element of one optimizer update (fp32): AdamW reads p, g, m, v and writes
+# p, m, v; Muon reads g, m, the orthogonalised update and p, and writes m, the Newton-Schulz
+# input and p (the Newton-Schulz matmuls themselves are counted as FLOPs).
+ADAMW_BYTES_PER_ELEMENT = 28
+MUON_BYTES_PER_ELEMENT = 32
+
+
+@dataclass
+class Local:
+    """One parameter as a TP rank holds it."""
+
+    numel: int
+    muon: bool
+    matrices: tuple[tuple[int, int], ...]  # the whole matrices Newton-Schulz sees (E for experts)
+    tp_sharded: bool
+
+    @property
+    def ns_flops(self) -> float:
+        return sum(ns_flops(r, c) for r, c in self.matrices)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(r * c for r, c in self.matrices)
+
+
+def ns_flops(rows: int, cols: int) -> float:
+    m, n = min(rows, cols), max(rows, cols)
+    return NS_STEPS * (4 * m * m * n + 2 * m**3)
+
+
+def local_params(cfg: ModelConfig, tp: int) -> list[Local]:
+    """Every parameter's TP-local size and Muon matrices, from shapes alone (on the meta
+    device, so an 8B model costs no memory)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    routes = {r.name: r for r in route_parameters(model, "muon")}
+    out = []
+    for name, p in model.named_parameters():
+        dim = tp_split_dim(name) if tp > 1 else None
+        shape = list(p.shape)
+        if dim is not None:
+            if name.endswith(("embed.weight", "head.weight")):
+                shape[0] = padded_vocab(shape[0], tp)
+            shape[dim] //= tp
+        matrices = ((p.shape[-2], p.shape[-1]),) * (p.shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
+        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None))
+    return out
+
+
+def tp_gather_bytes(p: Local, tp: int) -> int:
+    return 4 * p.full_numel if (p.muon and p.tp_sharded and tp > 1) else 0
+
+
+def our_plan(params: list[Local], dp: int) -> ZeroPlan:
+    """The ZeRO-1 plan ZeroOptimizer builds for these parameters (owners by LPT)."""
+    return build_plan([ParamSpec(i, p.numel, p.matrices if p.muon else ()) for i, p in enumerate(params)], dp)
+
+
+@dataclass
+class DesignRow:
+    """One design's optimizer work per step and per rank (bytes and FLOPs are exact)."""
+
+    dp_bytes: float  # reduce-scatter + all-gather of the flat buffer, plus any momentum gathers
+    extra_dp_bytes: float  # of which momentum gathers (bf16), beyond AdamW ZeRO-1's traffic
+    tp_bytes: float  # Newton-Schulz momentum all-gathers over TP, mean per rank
+    ns_max: float  # Newton-Schulz FLOPs of the busiest rank
+    ns_mean: float
+    state: float  # optimizer-state bytes of the largest rank
+    muon_elements: float  # Muon elements the busiest rank updates (elementwise work)
+    adamw_elements: float
+    plan_costs: list[int] = field(default_factory=list)  # muon-ours: LPT cost per rank
+    idle_ranks: int = 0  # muon-ours: DP ranks that own no Muon matrix
+
+
+def design_rows(params: list[Local], dp: int, tp: int) -> dict[str, DesignRow]:
+    total = sum(p.numel for p in params)
+    muon_ps = [p for p in params if p.muon]
+    rows: dict[str, DesignRow] = {}
+
+    flat = math.ceil(total / dp) * dp
+    rows["adamw-zero1"] = DesignRow(2 * 4 * flat, 0, 0, 0, 0, 8 * flat / dp, 0, flat / dp)
+
+    plan = our_plan(params, dp)
+    ns = [sum(params[s.param].ns_flops for s in r.muon) for r in plan.ranks]
+    muon_el = [sum(s.length for s in r.muon) for r in plan.ranks]
+    adamw_el = [sum(s.length for s in r.adamw) for r in plan.ranks]
+    # Muon: momentum; AdamW: two moments, and a 4-byte step count per piece.
+    state = [4 * m + 8 * a + 4 * len(r.adamw) for m, a, r in zip(muon_el, adamw_el, plan.ranks)]
+    tpb = [sum(tp_gather_bytes(params[s.param], tp) for s in r.muon) for r in plan.ranks]
+    busiest = max(range(dp), key=lambda r: ns[r])
+    rows["muon-ours"] = DesignRow(2 * 4 * plan.total, 0, sum(tpb) / dp, max(ns), sum(ns) / dp, max(state),
+                                  muon_el[busiest], adamw_el[busiest], [r.ns_cost for r in plan.ranks],
+                                  sum(1 for r in plan.ranks if not r.muon))
+
+    # Moonlight: flat partition in parameter order, chunk = ceil(total / dp).
+    chunk = math.ceil(total / dp)
+    ns_r, extra, tp_r, state_r = [0.0] * dp, 0, [0.0] * dp, [0.0] * dp
+    muon_r, adamw_r = [0.0] * dp, [0.0] * dp
+    offset = 0
+    for p in params:
+        first, last = offset // chunk, (offset + p.numel - 1) // chunk
+        for r in range(first, last + 1):
+            part = min(offset + p.numel, (r + 1) * chunk) - max(offset, r * chunk)
+            state_r[r] += (4 if p.muon else 8) * part
+            if p.muon:
+                ns_r[r] += p.ns_flops
+                tp_r[r] += tp_gather_bytes(p, tp)
+                muon_r[r] += p.numel  # a crossing matrix is updated whole by each holder
+            else:
+                adamw_r[r] += part
+        if p.muon and last > first:
+            extra += 2 * p.numel  # bf16 DP all-gather of the momentum
+        offset += p.numel
+    busiest = max(range(dp), key=lambda r: ns_r[r])
+    rows["moonlight"] = DesignRow(2 * 4 * flat + extra, extra, sum(tp_r) / dp, max(ns_r), sum(ns_r) / dp,
+                                  max(state_r), muon_r[busiest], adamw_r[busiest])
+
+    # Megatron PoC: every parameter split over DP, every matrix gathered, NS on every rank.
+    ns_all = sum(p.ns_flops for p in muon_ps)
+    extra = sum(2 * p.numel for p in muon_ps) if dp > 1 else 0
+    muon_total = sum(p.numel for p in muon_ps)
+    rows["megatron-poc"] = DesignRow(2 * 4 * flat + extra, extra, sum(tp_gather_bytes(p, tp) for p in muon_ps),
+                                     ns_all, ns_all, sum((4 if p.muon else 8) * p.numel for p in params) / dp,
+                                     muon_total, (total - muon_total) / dp)
+    return rows
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU and its node, as conf/hardware/<name>.yaml describes them (sources there)."""
+
+    name: str
+    matmul_tflops: float  # achieved dense matmul rate in the training precision
+    hbm_gb: float
+    hbm_tb_s: float
+    nvlink_gb_s: float  # per GPU and direction
+    nvlink_latency_us: float
+    ib_gb_s: float  # per GPU and direction (one NIC per GPU)
+    ib_latency_us: float
+    gpus_per_node: int
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "Hardware":
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = REPO / "conf" / "hardware" / f"{name_or_path}.yaml"
+        if not path.exists():
+            known = ", ".join(sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml")))
+            raise FileNotFoundError(f"hardware profile {name_or_path!r}: no {path} (known: {known})")
+        fields = yaml.safe_load(path.read_text())
+        missing = [f for f in cls.__dataclass_fields__ if f not in fields]
+        if missing:
+            raise ValueError(f"{path}: missing {', '.join(missing)}")
+        return cls(**{f: fields[f] for f in cls.__dataclass_fields__})
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.matmul_tflops * 1e12
+
+    @property
+    def hbm_bytes_s(self) -> float:
+        return self.hbm_tb_s * 1e12
+
+    @property
+    def nvlink(self) -> Link:
+        return Link(self.nvlink_gb_s * 1e9, self.nvlink_latency_us * 1e-6)
+
+    @property
+    def ib(self) -> Link:
+        return Link(self.ib_gb_s * 1e9, self.ib_latency_us * 1e-6)
+
+    def dp_link(self, dp: int, tp: int) -> Link:
+        """TP ranks fill a node first, so a DP group stays inside one node only when the
+        whole job does."""
+        return self.nvlink if dp * tp <= self.gpus_per_node else self.ib
+
+
+def activation_bytes_per_token(cfg: ModelConfig, tp: int, fused_norm: bool = True) -> float:
+    """Bytes of activations autograd keeps for the backward pass, per token, under bf16
+    autocast with fp32 master weights and residual stream, flash attention (no T x T scores
+    kept), and no recomputation: the tensors this model saves, counted one by one (a test
+    checks the sum against the saved tensors of a real forward pass on the CPU).
+
+    With h = d_model, q = n_heads * head_dim, kv = n_kv_heads * head_dim, H = n_heads:
+      RMSNorm: its fp32 input and 1/rms (4h + 4); without a fused kernel (the CPU) also the
+        normalised fp32 product (+4h)
+      attention: a bf16 copy of the normed input for each of wq, wk, wv (autocast casts per
+        call, 6h); q, k, v after RoPE (2q + 4kv); the output and its row log-sum-exp
+        (2q + 4H); wo's input, the output made contiguous (2q)
+      dense SwiGLU (hidden f): the input cast for w_gate and for w_up (4h); gate, up,
+        silu(gate), their product (8f)
+      MoE (E experts, top-k, expert hidden e): the router's fp32 input and scores (4h + 4E),
+        the ids, sorting order and positions (3 x 8k), gates (4k + 4k + 4); per routed copy a
+        bf16 input (2h), 8e inside the expert, and its fp32 output for the weighted sum (4h);
+        shared experts as a SwiGLU of hidden n_shared * e
+      and the final norm, the head's bf16 input (2h), the log-softmax over the vocabulary
+      (fp32, 4V), the token ids and targets (16).
+    Under TP the projections' outputs, the experts' hidden units and the vocabulary are
+    split (divided by tp); the norms, their outputs' casts and the router are replicated.
+    """
+    h, hd, H = cfg.d_model, cfg.head_dim, cfg.n_heads
+    q, kv = H * hd, cfg.n_kv_heads * hd
+    norm = (4 if fused_norm else 8) * h + 4
+    attn = 6 * h + (6 * q + 4 * kv + 4 * H) / tp
+    dense_mlp = 4 * h + 8 * cfg.ffn_hidden / tp
+    e, k = cfg.expert_hidden or cfg.ffn_hidden, cfg.top_k
+    moe_mlp = (4 * h + 4 * cfg.n_experts + 24 * k + 8 * k + 4
+               + k * (2 * h + 8 * e / tp + 4 * h)
+               + (4 * h + 8 * cfg.n_shared_experts * e / tp if cfg.n_shared_experts else 0))
+    n_moe = cfg.n_layers - cfg.n_dense_layers if cfg.n_experts > 0 else 0
+    blocks = sum(2 * norm + attn + (moe_mlp if i >= cfg.n_layers - n_moe else dense_mlp)
+                 for i in range(cfg.n_layers))
+    return blocks + norm + 2 * h + 4 * cfg.vocab_size / tp + 16
+
+
+@dataclass
+class Step:
+    """One (design, layout): per-rank memory (bytes) and predicted times (seconds)."""
+
+    design: str
+    dp: int
+    tp: int
+    row: DesignRow
+    memory: dict[str, float]
+    times: dict[str, float]
+
+    @property
+    def optimizer_s(self) -> float:
+        return sum(v for k, v in self.times.items() if k.startswith("opt_"))
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.times.values())
+
+    @property
+    def overhead(self) -> float:
+        """The optimizer step (its DP/TP traffic included) as a fraction of the whole step."""
+        return self.optimizer_s / self.step_s
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+
+def tp_sizes(cfg: ModelConfig, gpus: int, hw: Hardware) -> list[int]:
+    """TP sizes that divide every split dimension, the GPU count, and fit in one node."""
+    sizes = []
+    tp = 1
+    while tp <= min(gpus, hw.gpus_per_node):
+        dims = [cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden] + ([cfg.expert_hidden or cfg.ffn_hidden] if cfg.n_experts else [])
+        if gpus % tp == 0 and all(d % tp == 0 for d in dims):
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: int, seq_len: int,
+            micro_batch: int, params: Optional[list[Local]] = None) -> dict[str, Step]:
+    """Every design at one layout. `micro_batch` sequences per rank per forward pass."""
+    params = params if params is not None else local_params(cfg, tp)
+    rows = design_rows(params, dp, tp)
+    local_numel = sum(p.numel for p in params)
+    tokens_per_rank = tokens_per_step / dp
+    micro_steps = max(1, math.ceil(tokens_per_rank / (seq_len * micro_batch)))
+    act = activation_bytes_per_token(cfg, tp, fused_norm=True) * seq_len * micro_batch
+
+    compute = train_flops_per_token(cfg, seq_len) * tokens_per_step / (dp * tp * hw.matmul_flops)
+    # Megatron-style TP: an all-reduce of the block's bf16 output after attention and after the
+    # MLP in the forward, and of the input gradient before each in the backward.
+    per_call = 2 * seq_len * micro_batch * cfg.d_model
+    tp_act = 4 * cfg.n_layers * micro_steps * all_reduce_s(per_call, tp, hw.nvlink) if tp > 1 else 0.0
+    dp_link = hw.dp_link(dp, tp)
+    flat_bytes = rows["muon-ours"].dp_bytes / 2  # one of the two collectives, fp32 flat buffer
+
+    steps = {}
+    for design, row in rows.items():
+        flat = row.dp_bytes - row.extra_dp_bytes
+        times = {
+            "compute": compute,
+            "tp_activations": tp_act,
+            # ZeRO-1: the gradient reduce-scatter and the parameter all-gather are not
+            # overlapped with compute in this trainer (gather_buckets=1), so they count here.
+            "opt_dp_reduce_scatter": ring_reduce_scatter_s(flat / 2, dp, dp_link),
+            "opt_dp_all_gather": ring_all_gather_s(flat / 2, dp, dp_link),
+            "opt_dp_momentum_gather": ring_all_gather_s(row.extra_dp_bytes, dp, dp_link) if row.extra_dp_bytes else 0.0,
+            "opt_tp_momentum_gather": ring_all_gather_s(row.tp_bytes, tp, hw.nvlink),
+            "opt_newton_schulz": row.ns_max / hw.matmul_flops,
+            "opt_elementwise": (ADAMW_BYTES_PER_ELEMENT * row.adamw_elements
+                                + MUON_BYTES_PER_ELEMENT * row.muon_elements) / hw.hbm_bytes_s,
+        }
+        # ZeroOptimizer's flat fp32 buffer (gradients in, parameters back), its reduced
+        # gradient segment and its send buffer.
+        zero_buffers = flat_bytes + 2 * flat_bytes / dp if dp > 1 else 0.0
+        memory = {
+            "params": 4 * local_numel,
+            "grads": 4 * local_numel + zero_buffers,
+            "optimizer_state": row.state,
+            "activations": act,
+        }
+        steps[design] = Step(design, dp, tp, row, memory, times)
+    return steps

@@ -1,0 +1,143 @@
+"""The scale planner: its bytes and Newton-Schulz loads against the real ZeroOptimizer, its
+collective times against hand-computed cases, its activation count against autograd's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eval.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all_reduce_s, tree_all_reduce_s
+from eval.scale_plan import Hardware, activation_bytes_per_token, design_rows, local_params, predict, tp_sizes
+from model.gpt import GPT
+from scripts.bench_comm import measure, model_config
+from tests.conftest import REPO
+from tests.test_model import tiny
+
+LINK = Link(bandwidth=100e9, latency=5e-6)
+
+
+def test_ring_collectives_match_hand_computed_times():
+    # 8 ranks gathering 800 MB: 7 steps of 5 us, and 7/8 of 800 MB at 100 GB/s
+    assert ring_all_gather_s(800e6, 8, LINK) == pytest.approx(7 * 5e-6 + 0.007)
+    assert ring_all_reduce_s(800e6, 8, LINK) == pytest.approx(2 * (7 * 5e-6 + 0.007))
+    assert ring_all_gather_s(800e6, 1, LINK) == 0.0
+
+
+def test_all_reduce_takes_the_tree_when_latency_dominates():
+    # 1,024 ranks, 4 KB: ring 2 x 1023 x 5 us = 10.2 ms; tree 2 x 10 x 5 us + 2 x 4 KB / 100 GB/s
+    tree = 2 * 10 * 5e-6 + 2 * 4096 / 100e9
+    assert tree_all_reduce_s(4096, 1024, LINK) == pytest.approx(tree)
+    assert all_reduce_s(4096, 1024, LINK) == pytest.approx(tree)
+    # 8 ranks, 1 GB: the ring's 2 x 7/8 of the bytes beats the tree's 2 x all of them
+    assert all_reduce_s(1e9, 8, LINK) == pytest.approx(ring_all_reduce_s(1e9, 8, LINK))
+    assert ring_all_reduce_s(1e9, 8, LINK) < tree_all_reduce_s(1e9, 8, LINK)
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_planned_bytes_and_newton_schulz_loads_equal_the_real_zero_optimizer(dp, tp):
+    cfg = model_config("gpt_tiny", 97)
+    row = design_rows(local_params(cfg, tp), dp, tp)["muon-ours"]
+    real = measure(cfg, dp, tp)  # one step of ZeroOptimizer on gloo, bytes counted by model/comm.py
+    assert real["dp_bytes"] == row.dp_bytes
+    assert real["tp_bytes"] == row.tp_bytes
+    assert real["plan_costs"] == row.plan_costs
+    assert real["state"] == row.state
+    # and the same DP traffic as AdamW ZeRO-1, plus nothing
+    assert row.dp_bytes == design_rows(local_params(cfg, tp), dp, tp)["adamw-zero1"].dp_bytes
+
+
+def test_newton_schulz_flops_count_five_quintic_steps_of_every_matrix():
+    cfg = model_config("gpt_tiny", 97)  # d_model 64, 4 heads (2 KV), ffn 192, 2 layers
+    rows = design_rows(local_params(cfg, 1), 1, 1)
+    per_layer = (5 * (4 * 64**2 * 64 + 2 * 64**3) * 2  # wq, wo: 64 x 64
+                 + 5 * (4 * 32**2 * 64 + 2 * 32**3) * 2  # wk, wv: 32 x 64
+                 + 5 * (4 * 64**2 * 192 + 2 * 64**3) * 3)  # w_gate, w_up, w_down
+    assert rows["muon-ours"].ns_max == rows["megatron-poc"].ns_max == 2 * per_layer
+
+
+def test_more_owners_than_matrices_leaves_ranks_idle_and_the_largest_matrix_sets_the_pace():
+    cfg = model_config("gpt_tiny", 97)
+    params = local_params(cfg, 1)
+    n_matrices = sum(p.muon for p in params)
+    row = design_rows(params, 64, 1)["muon-ours"]
+    assert row.idle_ranks == 64 - n_matrices
+    assert row.ns_max == max(p.ns_flops for p in params if p.muon)
+
+
+def saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:
+    """Bytes of the distinct storages autograd saves in one bf16-autocast forward pass."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    vocab = model.cfg.vocab_size
+    idx, targets = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, targets)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(n_kv_heads=4),
+    dict(n_kv_heads=2),
+    dict(n_experts=4, top_k=2, n_shared_experts=1, expert_hidden=32, n_dense_layers=1),
+    dict(n_experts=8, top_k=3, expert_hidden=16, n_layers=3),
+], ids=["mha", "gqa", "moe_shared", "moe_top3"])
+def test_activation_formula_counts_what_autograd_saves(overrides):
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides))
+    # The slope over the batch: the per-token bytes, without the weights' bf16 copies.
+    per_token = (saved_activation_bytes(model, 6, 32) - saved_activation_bytes(model, 2, 32)) / (4 * 32)
+    # The CPU's RMSNorm is not one fused kernel: it also keeps the normalised product.
+    assert per_token == activation_bytes_per_token(model.cfg, tp=1, fused_norm=False)
+
+
+def test_tp_sizes_stay_in_a_node_and_divide_every_split_dimension():
+    hw = Hardware.load("h100_sxm")
+    assert tp_sizes(model_config("gpt_8b", 128256), 1024, hw) == [1, 2, 4, 8]
+    assert tp_sizes(model_config("gpt_124m", 50304), 64, hw) == [1, 2, 4]  # 12 heads: not 8
+    assert tp_sizes(model_config("gpt_8b", 128256), 4, hw) == [1, 2, 4]
+
+
+def test_a_job_inside_one_node_talks_over_nvlink_and_beyond_it_over_infiniband():
+    hw = Hardware.load("h100_sxm")
+    cfg = model_config("gpt_124m", 50304)
+    one_node = predict(cfg, hw, 8, 1, 2**19, 1024, 1)["adamw-zero1"]
+    two_nodes = predict(cfg, hw, 16, 1, 2**19, 1024, 1)["adamw-zero1"]
+    flat = one_node.row.dp_bytes / 2
+    assert one_node.times["opt_dp_all_gather"] == pytest.approx(ring_all_gather_s(flat, 8, hw.nvlink))
+    flat16 = two_nodes.row.dp_bytes / 2
+    assert two_nodes.times["opt_dp_all_gather"] == pytest.approx(ring_all_gather_s(flat16, 16, hw.ib))
+    # compute halves with twice the GPUs at the same global batch
+    assert two_nodes.times["compute"] == pytest.approx(one_node.times["compute"] / 2)
+
+
+def test_a_missing_hardware_profile_names_the_file_and_the_known_ones(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"h200_nvl.*known: a100_sxm, h100_sxm"):
+        Hardware.load("h200_nvl")
+    broken = tmp_path / "x.yaml"
+    broken.write_text("name: x\nmatmul_tflops: 1\n")
+    with pytest.raises(ValueError, match=r"x\.yaml: missing hbm_gb"):
+        Hardware.load(str(broken))
+
+
+def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
+         "--seq-len", "1024", "--gpus", "8", "64", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    plan = (tmp_path / "plan.md").read_text()
+    # 8 GPUs: tp 1, 2, 4 (12 heads); 64 GPUs: the same; four designs each
+    assert plan.count("| muon-ours |") == 6 and plan.count("| megatron-poc |") == 6
+    assert "| 8 | 8 x 1 | muon-ours |" in plan and "| 64 | 16 x 4 | adamw-zero1 |" in plan
+    assert (tmp_path / "overhead.png").stat().st_size > 5000
+    assert "| 64 | muon-ours |" in proc.stdout
+    bad = subprocess.run([sys.executable, "scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "dmodel=5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
