@@ -174,3 +174,9 @@ def test_tp2_with_the_clip_tracks_the_single_process_run(tmp_path, clipped_singl
     run_distributed(_train_worker, 2, str(tmp_path), CLIP + ["trainer.batch_size=4", "parallel.tp=2",
                                                               f"optim.muon.tp_mode={tp_mode}"])
     assert_same_clipped_run(read_metrics(tmp_path), clipped_single)
+
+
+def test_compiled_training_with_the_clip_equals_eager(tmp_path, clipped_single):
+    """The recorded maxima are a buffer the compiled forward mutates in place."""
+    compiled = train_in_process(tmp_path, CLIP + ["trainer.batch_size=4", "trainer.compile=true"])
+    assert_same_clipped_run(compiled, clipped_single)
