@@ -13,8 +13,8 @@ step and whole step, with the optimizer's share of it. Bytes and FLOPs are exact
 from the hardware profile (conf/hardware/<name>.yaml) and the alpha-beta model of
 eval/collectives.py, calibrated where this project could measure (BENCHMARKS.md).
 
-Writes <out>/plan.md (every row), prints the fastest layout that fits in memory per design and
-GPU count, and draws <out>/overhead.png: the optimizer's share of the step against the GPU
+Writes <out>/plan.md (every row; --all prints them too), prints the fastest layout that fits in
+memory per design and GPU count, and draws <out>/overhead.png: the optimizer's share of the step against the GPU
 count, one line per design, each at its fastest fitting layout.
 """
 from __future__ import annotations
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--hardware", default="h100_sxm", help="conf/hardware/<name>.yaml, or a path")
     parser.add_argument("--out", type=Path, default=Path("plan"))
+    parser.add_argument("--all", action="store_true", help="also print every row (what plan.md holds)")
     args = parser.parse_args()
 
     try:
@@ -149,6 +150,8 @@ def main() -> None:
                   f"{s.row.ns_max / 1e9:,.1f} / {s.row.ns_mean / 1e9:,.1f} | {idle} | {s.optimizer_s * 1e3:.1f} | "
                   f"{s.step_s * 1e3:.1f} | {100 * s.overhead:.1f}% |")
     (args.out / "plan.md").write_text("\n".join(lines) + "\n")
+    if args.all:
+        print("\n" + "\n".join(lines))
     plot(best, title, args.out / "overhead.png")
     print(f"wrote {args.out / 'plan.md'} and {args.out / 'overhead.png'}")
 

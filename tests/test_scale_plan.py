@@ -128,7 +128,7 @@ def test_a_missing_hardware_profile_names_the_file_and_the_known_ones(tmp_path):
 def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
-         "--seq-len", "1024", "--gpus", "8", "64", "--out", str(tmp_path)],
+         "--seq-len", "1024", "--gpus", "8", "64", "--out", str(tmp_path), "--all"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -137,7 +137,8 @@ def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     assert plan.count("| muon-ours |") == 6 and plan.count("| megatron-poc |") == 6
     assert "| 8 | 8 x 1 | muon-ours |" in plan and "| 64 | 16 x 4 | adamw-zero1 |" in plan
     assert (tmp_path / "overhead.png").stat().st_size > 5000
-    assert "| 64 | muon-ours |" in proc.stdout
+    assert "| 64 | muon-ours |" in proc.stdout  # the fastest layout per design
+    assert "| 64 | 16 x 4 | adamw-zero1 |" in proc.stdout  # --all: every row
     bad = subprocess.run([sys.executable, "scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "dmodel=5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
