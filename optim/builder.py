@@ -80,6 +80,7 @@ def build_optimizer(
             eps=m.eps,
             tp_mode=m.tp_mode,
             compile_updates=compile_updates,
+            cautious_wd=cfg.cautious_wd,
         )
     if by_target["adamw"]:
         optimizers["adamw"] = build_adamw(groups("adamw"), cfg)

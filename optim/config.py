@@ -62,6 +62,9 @@ class OptimConfig:
     # Weight decay per parameter family (attn_q, mlp_in, embed, norm, ...); families not
     # listed use `weight_decay`. Moonlight decays RMSNorm gammas too, so norms are not exempt.
     weight_decay_overrides: Dict[str, float] = field(default_factory=dict)
+    # Cautious weight decay (arXiv 2510.12402), for Muon and AdamW parameters alike: decay a
+    # coordinate only where the optimizer's update and the weight have the same sign.
+    cautious_wd: bool = False
     # ZeRO-1 (data parallel > 1): split the parameter all-gather after the step into this many
     # buckets, each launched asynchronously as soon as its matrices are updated, so the
     # transfer overlaps the Newton-Schulz of later buckets. 1: one all-gather after the whole

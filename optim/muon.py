@@ -7,6 +7,10 @@ Per matrix W with gradient G (Keller Jordan 2024; Liu et al. 2025 for the AdamW-
     W = W - lr * weight_decay * W     (decoupled, with the group lr as given)
     W = W - lr * scale(rows, cols) * O
 
+With `cautious_wd` the decay acts only where O and W have the same sign, i.e. where the update
+already moves the weight towards zero (Cautious Weight Decay, arXiv 2510.12402):
+    W = W - lr * weight_decay * W * [O * W > 0]
+
 Parameters are 2-D [out, in] or 3-D [E, out, in] (E independent expert matrices). A group
 may set `split_rows=h`: each block of h rows of a [R, C] matrix (one attention head) is then
 orthogonalised on its own and scaled with (h, C).
@@ -183,6 +187,7 @@ class Muon(torch.optim.Optimizer):
         tp_mode: "gather" or "gram", how TP-sharded matrices are orthogonalised.
         compile_updates: run the elementwise work (momentum, weight decay, update) as
             torch.compile'd fused kernels (optim/muon_fused.py): fewer memory passes, for GPUs.
+        cautious_wd: decay only the coordinates where the update and the weight agree in sign.
 
     Like torch's fused optimizers, `step` honours a `found_inf` attribute (a 0-d float tensor
     on the parameters' device; OptimizerSet.step sets it): where it is 1 the step leaves
@@ -203,6 +208,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-7,
         tp_mode: str = "gather",
         compile_updates: bool = False,
+        cautious_wd: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -224,6 +230,8 @@ class Muon(torch.optim.Optimizer):
         # Not a group option: it says how this process computes, not what the optimizer is
         # (checkpoints written with it load without it, and the other way round).
         self.compile_updates = compile_updates
+        # Not a group option either: a run resumed with it switched keeps its checkpoint.
+        self.cautious_wd = cautious_wd
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -270,7 +278,7 @@ class Muon(torch.optim.Optimizer):
                 stacks.setdefault(key, []).append(item)
 
         gate = None if getattr(self, "found_inf", None) is None else _Gate.of(self.found_inf)
-        work = _Elementwise(gate, self.compile_updates)
+        work = _Elementwise(gate, self.compile_updates, self.cautious_wd)
         for (rows, cols, dtype, device, *ns), items in stacks.items():
             _step_stack(items, rows, cols, dtype, device, _NS(*ns), work)
         for (rows, cols, split, _, _, dtype, device, *ns), items in tp_stacks.items():
@@ -391,9 +399,10 @@ class _Elementwise:
     whatever its size), or with `compiled` (optim/muon_fused.py) fused kernels that stream
     each matrix through memory once per phase. Either honours the step's gate."""
 
-    def __init__(self, gate: _Gate | None, compiled: bool) -> None:
+    def __init__(self, gate: _Gate | None, compiled: bool, cautious: bool = False) -> None:
         self.gate = gate
         self.compiled = compiled
+        self.cautious = cautious
 
     @property
     def keep(self) -> Tensor | None:
@@ -438,8 +447,9 @@ class _Elementwise:
 
     def apply_updates(self, items: list[_Item], ortho: Tensor, rows: int, cols: int) -> None:
         """p <- p * (1 - lr * wd) - lr * scale * O for every item, O its matrices of `ortho`
-        (scaled for the rows x cols matrix that was orthogonalised). A skipped step's O is
-        zero already; the gate keeps its weight decay off too."""
+        (scaled for the rows x cols matrix that was orthogonalised); with `cautious`, the decay
+        only where O * p > 0. A skipped step's O is zero already (so no cautious decay either);
+        the gate keeps the plain weight decay off too."""
         updates = _stack_views(items, ortho)
 
         # By param group, not by the values: the lists (and so the compiled variants) stay
@@ -452,10 +462,15 @@ class _Elementwise:
             if self.compiled:
                 keep = self._keep_on(ortho.device)
                 muon_fused.compiled(muon_fused.update_step)(
-                    params, upd, 1.0 - decay * keep, torch.full((), alpha, device=ortho.device)
+                    params, upd, 1.0 - decay * keep, torch.full((), alpha, device=ortho.device), self.cautious
                 )
                 continue
-            if decay != 0:
+            if decay != 0 and self.cautious:
+                # 1 - decay where O and p agree in sign, else 1; from p before any change.
+                agree = torch._foreach_mul(upd, params)
+                factors = [(a > 0).to(a.dtype).mul_(-decay).add_(1.0) for a in agree]
+                torch._foreach_mul_(params, factors)
+            elif decay != 0:
                 torch._foreach_mul_(params, 1.0 - decay if self.gate is None else 1.0 - decay * self.gate.keep)
             torch._foreach_add_(params, upd, alpha=alpha)
 

@@ -40,11 +40,14 @@ def momentum_step(
         out.copy_(g + momentum * new if nesterov else new)
 
 
-def update_step(params: list[Tensor], updates: list[Tensor], decay: Tensor, alpha: Tensor) -> None:
+def update_step(params: list[Tensor], updates: list[Tensor], decay: Tensor, alpha: Tensor,
+                cautious: bool = False) -> None:
     """p <- p * decay + alpha * u, for 0-d tensors decay (1 - lr * wd, or 1 on a skipped
-    step) and alpha (-lr * scale)."""
+    step) and alpha (-lr * scale); with `cautious`, the decay only where u * p > 0 (a skipped
+    step's u is zero, so it decays nothing)."""
     for p, u in zip(params, updates):
-        p.copy_(p * decay + u * alpha)
+        factor = torch.where(u * p > 0, decay, 1.0) if cautious else decay
+        p.copy_(p * factor + u * alpha)
 
 
 _COMPILED: dict[Callable, Callable] = {}

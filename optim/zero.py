@@ -125,7 +125,8 @@ class ZeroOptimizer(OptimizerSet):
             optimizers["muon"] = Muon(groups, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
                                       ns_steps=m.ns_steps, coefficients=m.coefficients,
                                       ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps,
-                                      tp_mode=m.tp_mode, compile_updates=compile_updates)
+                                      tp_mode=m.tp_mode, compile_updates=compile_updates,
+                                      cautious_wd=cfg.cautious_wd)
         if adamw_groups:
             groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}
                       for kind, plist in adamw_groups.items()]

@@ -19,7 +19,7 @@ VOCAB = 97
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32, vocab_size=VOCAB)
 
 
-def optim_cfg(name: str, gather_buckets: int = 1, **muon) -> OptimConfig:
+def optim_cfg(name: str, gather_buckets: int = 1, cautious_wd: bool = False, **muon) -> OptimConfig:
     # AdamW normalises each element by its own gradient scale, so on the near-zero gradients
     # of a freshly initialised tiny model (wq, wk of the last layer: ~1e-6) it turns fp32
     # summation-order noise into visible update differences (~2e-4 relative after 5 steps,
@@ -27,7 +27,7 @@ def optim_cfg(name: str, gather_buckets: int = 1, **muon) -> OptimConfig:
     # linear regime, so the comparison checks the sharded data flow, not AdamW's conditioning.
     eps = 1e-4 if name == "adamw" else 1e-8
     return OptimConfig(name=name, lr=0.02, weight_decay=0.1, eps=eps, gather_buckets=gather_buckets,
-                       muon=MuonConfig(ns_dtype="fp32", **muon))
+                       cautious_wd=cautious_wd, muon=MuonConfig(ns_dtype="fp32", **muon))
 
 
 def batches(n_steps: int, global_batch: int):
