@@ -102,13 +102,25 @@ def load_run(path: Path) -> Run:
     config_file = path / ".hydra" / "config.yaml"
     config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
     optim = config.get("optim", {})
-    optimizer, lr = optim.get("name", path.name), optim.get("lr")
+    optimizer, lr = (optimizer_setting(optim) if "name" in optim else path.name), optim.get("lr")
     environment = read_environment(path)
     corpus = run_corpus_id(environment)
     resolved = path / "resolved_config.yaml"
     if corpus is None and resolved.exists():
         corpus = (yaml.safe_load(resolved.read_text()) or {}).get("corpus_id")
     return Run(path, optimizer, lr, series, corpus, environment, config)
+
+
+def optimizer_setting(optim: dict) -> str:
+    """The optimizer a run used, with the Muon-family options it switched on: "muon",
+    "muon+normuon+cautious_wd", "adamw+cautious_wd". Runs that differ in these options are
+    different optimizers to every table: each gets its own best lr and its own row."""
+    name = str(optim["name"])
+    muon = optim.get("muon", {}) if name == "muon" else {}
+    options = [label for label, on in (("normuon", muon.get("normuon")),
+                                       ("cautious_wd", optim.get("cautious_wd")),
+                                       ("gram_ns", muon.get("ns_method") == "gram")) if on]
+    return "+".join([name, *options])
 
 
 def run_corpus_id(environment: Optional[dict]) -> Optional[str]:

@@ -81,6 +81,9 @@ def build_optimizer(
             tp_mode=m.tp_mode,
             compile_updates=compile_updates,
             cautious_wd=cfg.cautious_wd,
+            ns_method=m.ns_method,
+            normuon=m.normuon,
+            normuon_beta2=m.normuon_beta2,
         )
     if by_target["adamw"]:
         optimizers["adamw"] = build_adamw(groups("adamw"), cfg)

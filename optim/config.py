@@ -30,6 +30,16 @@ class MuonConfig:
     # shards and all-reduces the small Gram matrix each step (see optim/newton_schulz.py).
     tp_mode: str = "gather"
     eps: float = 1e-7
+    # "standard", or "gram": Gram Newton-Schulz (iterates on the small Gram matrix, with a
+    # restart after the second step) for matrices whose aspect ratio makes it cheaper, above
+    # about 1.5; square ones stay standard. Under tp_mode=gram it also all-reduces the Gram
+    # matrix once per restart segment instead of every step. See optim/newton_schulz.py.
+    ns_method: str = "standard"
+    # NorMuon (arXiv 2510.05491): divide each row (column, for wide matrices) of the
+    # orthogonalised update by the root of its running mean square, then restore the update's
+    # norm. See optim/normuon.py.
+    normuon: bool = False
+    normuon_beta2: float = 0.95
 
 
 @dataclass

@@ -10,6 +10,9 @@ Per matrix W with gradient G (Keller Jordan 2024; Liu et al. 2025 for the AdamW-
 With `cautious_wd` the decay acts only where O and W have the same sign, i.e. where the update
 already moves the weight towards zero (Cautious Weight Decay, arXiv 2510.12402):
     W = W - lr * weight_decay * W * [O * W > 0]
+With `normuon`, O is normalised per row (or column) by a running second moment before the
+update (optim/normuon.py). With ns_method="gram", Newton-Schulz runs as Gram Newton-Schulz
+where the matrix's aspect ratio makes it cheaper (optim/newton_schulz.py).
 
 Parameters are 2-D [out, in] or 3-D [E, out, in] (E independent expert matrices). A group
 may set `split_rows=h`: each block of h rows of a [R, C] matrix (one attention head) is then
@@ -34,13 +37,14 @@ from model.comm import all_gather_into, group_rank, group_size
 from optim.newton_schulz import (
     ADJUST_LR_MODES,
     COEFFICIENTS,
+    NS_METHODS,
     batch_chunk,
     momentum_update,
     muon_scale,
     newton_schulz,
     reusable_buffer,
 )
-from optim import muon_fused
+from optim import muon_fused, normuon
 from optim.newton_schulz_tp import newton_schulz_sharded
 from trainer.precision import resolve_precision
 
@@ -109,6 +113,15 @@ def _validate_group(group: dict[str, Any]) -> None:
     eps = group["eps"]
     if not _is_number(eps) or eps <= 0:
         raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps!r}")
+    if group["ns_method"] not in NS_METHODS:
+        raise ValueError(
+            f"optim.muon.ns_method: unknown method {group['ns_method']!r} (expected {' or '.join(NS_METHODS)})"
+        )
+    if not isinstance(group["normuon"], bool):
+        raise ValueError(f"optim.muon.normuon must be a bool, got {group['normuon']!r}")
+    beta2 = group["normuon_beta2"]
+    if not _is_number(beta2) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"optim.muon.normuon_beta2 must be in [0, 1), got {beta2!r}")
     if group["tp_mode"] not in ("gather", "gram"):
         raise ValueError(f"optim.muon.tp_mode: unknown mode {group['tp_mode']!r} (expected gather or gram)")
     h = group["split_rows"]
@@ -166,6 +179,7 @@ class _Item:
     k: int
     rows: int
     cols: int
+    normuon_v: Tensor | None = None  # NorMuon's second moment [k, rows, 1] or [k, 1, cols]
 
 
 class Muon(torch.optim.Optimizer):
@@ -185,6 +199,8 @@ class Muon(torch.optim.Optimizer):
             or "none", for the A x B matrix actually orthogonalised.
         eps: added to the Frobenius norm before normalising.
         tp_mode: "gather" or "gram", how TP-sharded matrices are orthogonalised.
+        ns_method: "standard" or "gram" (Gram Newton-Schulz where it is cheaper).
+        normuon, normuon_beta2: NorMuon's per-row second moment (optim/normuon.py).
         compile_updates: run the elementwise work (momentum, weight decay, update) as
             torch.compile'd fused kernels (optim/muon_fused.py): fewer memory passes, for GPUs.
         cautious_wd: decay only the coordinates where the update and the weight agree in sign.
@@ -209,6 +225,9 @@ class Muon(torch.optim.Optimizer):
         tp_mode: str = "gather",
         compile_updates: bool = False,
         cautious_wd: bool = False,
+        ns_method: str = "standard",
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -223,6 +242,9 @@ class Muon(torch.optim.Optimizer):
             split_rows=None,
             tp_group=None,
             tp_mode=tp_mode,
+            ns_method=ns_method,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
         )
         # Fail on the defaults themselves even when every group overrides them.
         _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
@@ -254,7 +276,8 @@ class Muon(torch.optim.Optimizer):
         stacks: dict[tuple, list[_Item]] = {}
         tp_stacks: dict[tuple, list[_Item]] = {}  # TP shards that need the full matrix
         for group in self.param_groups:
-            ns_key = (group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"])
+            ns = _NS(group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"], group["ns_method"])
+            beta2 = group["normuon_beta2"] if group["normuon"] else None
             for p in group["params"]:
                 if p.grad is None or (chosen is not None and id(p) not in chosen):
                     continue
@@ -268,22 +291,54 @@ class Muon(torch.optim.Optimizer):
                 elif not buf.is_contiguous():  # e.g. loaded from a checkpoint; updated in place
                     buf = state["momentum_buffer"] = buf.contiguous()
                 k, rows, cols = matrix_layout(p.shape, group["split_rows"])
-                item = _Item(p, p.grad, buf, group, k, rows, cols)
+                if beta2 is not None and "normuon_v" not in state:
+                    state["normuon_v"] = torch.zeros(self._normuon_shape(p, group), device=p.device)
+                item = _Item(p, p.grad, buf, group, k, rows, cols, state.get("normuon_v") if beta2 is not None else None)
                 split = tp_gather_dim(p, group)
                 if split is not None:
-                    key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, *ns_key)
+                    key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, ns, beta2)
                     tp_stacks.setdefault(key, []).append(item)
                     continue
-                key = (rows, cols, p.dtype, p.device, *ns_key)
+                key = (rows, cols, p.dtype, p.device, ns, beta2)
                 stacks.setdefault(key, []).append(item)
 
         gate = None if getattr(self, "found_inf", None) is None else _Gate.of(self.found_inf)
         work = _Elementwise(gate, self.compile_updates, self.cautious_wd)
-        for (rows, cols, dtype, device, *ns), items in stacks.items():
-            _step_stack(items, rows, cols, dtype, device, _NS(*ns), work)
-        for (rows, cols, split, _, _, dtype, device, *ns), items in tp_stacks.items():
-            _step_tp_stack(items, split, _NS(*ns), work)
+        for (rows, cols, dtype, device, ns, beta2), items in stacks.items():
+            _step_stack(items, rows, cols, dtype, device, ns, beta2, work)
+        for (rows, cols, split, _, _, dtype, device, ns, beta2), items in tp_stacks.items():
+            _step_tp_stack(items, split, ns, beta2, work)
         return loss
+
+    # NorMuon's v has one entry per row (or column) of each matrix. Checkpoints hold it in its
+    # parameter's shape (broadcast along the averaged dimension) so that the checkpoint code
+    # saves, cuts and reshards it exactly like the momentum; it is compacted again on load.
+
+    def _group_of(self, p: Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def _normuon_shape(self, p: Tensor, group: dict[str, Any]) -> tuple[int, int, int]:
+        k, rows, cols = matrix_layout(p.shape, group["split_rows"])
+        split, tp = tp_gather_dim(p, group), group_size(group.get("tp_group"))
+        full_rows, full_cols = rows * (tp if split == 0 else 1), cols * (tp if split == 1 else 1)
+        return normuon.state_shape(k, rows, cols, full_rows, full_cols)
+
+    def export_state(self, p: Tensor, state: dict[str, Any]) -> dict[str, Tensor]:
+        """`p`'s state as checkpoints hold it: every non-scalar tensor in p's shape."""
+        out = {key: value for key, value in state.items() if torch.is_tensor(value)}
+        if "normuon_v" in out:
+            k, rows, cols = matrix_layout(p.shape, self._group_of(p)["split_rows"])
+            out["normuon_v"] = out["normuon_v"].expand(k, rows, cols).reshape(p.shape)
+        return out
+
+    def import_state(self, p: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of export_state (state already on p's device)."""
+        if "normuon_v" in state:
+            group = self._group_of(p)
+            k, rows, cols = matrix_layout(p.shape, group["split_rows"])
+            shape = self._normuon_shape(p, group)
+            state["normuon_v"] = state["normuon_v"].reshape(k, rows, cols)[:, : shape[1], : shape[2]].float().contiguous()
+        return state
 
 
 @dataclass(frozen=True)
@@ -294,6 +349,7 @@ class _NS:
     coefficients: str
     dtype: torch.dtype
     eps: float
+    method: str
 
 
 @dataclass(frozen=True)
@@ -312,7 +368,22 @@ class _Gate:
         return _Gate(skip, (~skip).to(torch.float32))
 
 
-def _step_tp_stack(items: list[_Item], split: int, ns: _NS, work: _Elementwise) -> None:
+def _normuon(items: list[_Item], ortho: Tensor, beta2: float | None, full_rows: int, full_cols: int,
+             work: "_Elementwise", split: int | None = None) -> None:
+    """NorMuon on a stack of orthogonalised updates (no-op without it), every item's v at once."""
+    if beta2 is None:
+        return
+    if len(items) == 1:
+        v = items[0].normuon_v
+    else:
+        v = torch.cat([it.normuon_v for it in items])
+    group = items[0].group["tp_group"] if split is not None else None
+    normuon.normalise(ortho, v, beta2, full_rows, full_cols, split, group, work.keep)
+    if len(items) > 1:
+        torch._foreach_copy_([it.normuon_v for it in items], list(v.split([it.k for it in items])))
+
+
+def _step_tp_stack(items: list[_Item], split: int, ns: _NS, beta2: float | None, work: _Elementwise) -> None:
     """Same-shape TP shards, orthogonalised as the full matrices they are parts of.
 
     tp_mode "gather": one TP all-gather of the whole stack along the split dimension,
@@ -329,19 +400,22 @@ def _step_tp_stack(items: list[_Item], split: int, ns: _NS, work: _Elementwise) 
     tp = group_size(group)
     rows_full, cols_full = (first.rows * tp, first.cols) if split == 0 else (first.rows, first.cols * tp)
     if first.group["tp_mode"] == "gram":
-        own = newton_schulz_sharded(inputs, split, group, ns.steps, ns.coefficients, ns.dtype, ns.eps, keep=keep)
+        own = newton_schulz_sharded(inputs, split, group, ns.steps, ns.coefficients, ns.dtype, ns.eps, keep=keep,
+                                    method=ns.method)
     else:
         gathered = inputs.new_empty((tp, *inputs.shape))
         all_gather_into(gathered, inputs, group)
         full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols]: full matrices
-        ortho = newton_schulz(full, ns.steps, ns.coefficients, ns.dtype, ns.eps, out_dtype=ns.dtype, keep=keep)
+        ortho = newton_schulz(full, ns.steps, ns.coefficients, ns.dtype, ns.eps, out_dtype=ns.dtype, keep=keep,
+                              method=ns.method)
         own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
+    _normuon(items, own, beta2, rows_full, cols_full, work, split)
     work.apply_updates(items, own, rows_full, cols_full)
 
 
 def _step_stack(
     items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
-    work: _Elementwise,
+    beta2: float | None, work: _Elementwise,
 ) -> None:
     """All rows x cols matrices of one step and setting: momentum into [N, rows, cols]
     stacks, batched Newton-Schulz, the parameter updates.
@@ -355,15 +429,15 @@ def _step_stack(
     for it in items:
         run.append(it)
         if limit is not None and sum(r.k for r in run) >= limit:
-            _step_run(run, rows, cols, dtype, device, ns, work)
+            _step_run(run, rows, cols, dtype, device, ns, beta2, work)
             run = []
     if run:
-        _step_run(run, rows, cols, dtype, device, ns, work)
+        _step_run(run, rows, cols, dtype, device, ns, beta2, work)
 
 
 def _step_run(
     items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
-    work: _Elementwise,
+    beta2: float | None, work: _Elementwise,
 ) -> None:
     """Momentum into one [N, rows, cols] stack, one batched Newton-Schulz, the updates."""
     total = sum(it.k for it in items)
@@ -371,7 +445,9 @@ def _step_run(
     # the update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
     stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device)
     work.momentum_into(items, stack)
-    ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=stack, keep=work.keep)
+    ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=stack, keep=work.keep,
+                          method=ns.method)
+    _normuon(items, ortho, beta2, rows, cols, work)
     work.apply_updates(items, ortho, rows, cols)
 
 

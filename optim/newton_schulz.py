@@ -11,6 +11,17 @@ Newton-Schulz (quintic) approximates the polar factor U V^T of G = U S V^T:
 Each step applies the odd polynomial p(s) = a s + b s^3 + c s^5 to every singular value.
 For tall matrices the same is done on the transpose (A = X^T X, X' = a X + X B), so the
 Gram matrix A is always the small side.
+
+Gram Newton-Schulz (ns_method="gram"; Dao, Zhang, Amsel, Chen 2026) computes the same thing
+with fewer products on the long side. Each step is X' = Z X with Z = a I + b R + c R^2 and
+R = X X^T, and every Z and R is a polynomial in the first R, so they all commute:
+
+    R' = X' X'^T = Z R Z,    X_k = Z_{k-1} ... Z_0 X_0 = Q X_0
+
+The iteration runs on the small n x n matrices R and Q and touches the n x m matrix X only to
+form R and, at the end, Q X. In low precision Q's rounding error grows with its norm, so the
+iteration restarts (X = Q X, R = X X^T, Q = I) after the steps in GRAM_RESTART_AFTER; in exact
+arithmetic the result is unchanged.
 """
 from __future__ import annotations
 
@@ -46,6 +57,40 @@ COEFFICIENTS: dict[str, list[Coefficient]] = {
 NORM_SAFETY: dict[str, float] = {"classic": 1.0, "polar_express": 1.02}
 
 ADJUST_LR_MODES = ("match_rms_adamw", "spectral", "none")
+NS_METHODS = ("standard", "gram")
+
+# Gram Newton-Schulz restarts after these iterations (counted from 1). The authors restart
+# after the second: the first two steps grow the smallest singular values the most (by up to
+# a^2, 12x for classic and 33x for Polar Express), so Q's norm stays that small per segment.
+GRAM_RESTART_AFTER = (2,)
+
+
+def standard_macs(n: int, m: int, steps: int) -> int:
+    """Multiply-adds of `steps` standard iterations on an n x m matrix whose Gram matrix is
+    n x n: per step A = X X^T (n^2 m), A A (n^3) and B X (n^2 m)."""
+    return steps * (2 * n * n * m + n ** 3)
+
+
+def gram_macs(n: int, m: int, steps: int) -> int:
+    """Multiply-adds of Gram Newton-Schulz with its restarts, as _iterate_gram does it: R from
+    X (n^2 m) per segment; per step R^2 for Z, Z Q (not in a segment's first step) and Z R Z
+    (not in its last); at each restart and at the end, Q X (n^2 m)."""
+    starts = [0] + [r for r in GRAM_RESTART_AFTER if 0 < r < steps]
+    ends = starts[1:] + [steps]
+    total = 0
+    for lo, hi in zip(starts, ends):
+        total += n * n * m  # R = X X^T
+        for i in range(lo, hi):
+            total += n ** 3 + (n ** 3 if i > lo else 0) + (2 * n ** 3 if i < hi - 1 else 0)
+        total += n * n * m  # X = Q X
+    return total
+
+
+def gram_pays(n: int, m: int, steps: int) -> bool:
+    """Whether Gram Newton-Schulz costs fewer multiply-adds than the standard iteration on an
+    n x m matrix whose Gram matrix is n x n (n <= m unless a TP split decides the side). With
+    5 steps and one restart it does once m / n passes 1.5; square matrices gain nothing."""
+    return gram_macs(n, m, steps) < standard_macs(n, m, steps)
 
 
 def coefficients_for(name: str, steps: int) -> list[Coefficient]:
@@ -113,6 +158,7 @@ def newton_schulz(
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     keep: Tensor | None = None,
+    method: str = "standard",
 ) -> Tensor:
     """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
 
@@ -129,7 +175,12 @@ def newton_schulz(
     `keep`, a 0-d tensor of 1 or 0 on G's device, gates the result without a host sync: 0
     makes every output matrix zero (an optimizer step skipped on the device). G must then be
     finite.
+
+    `method`: "standard", or "gram" for Gram Newton-Schulz (the same result in exact
+    arithmetic) where gram_pays(rows, cols, steps), else standard.
     """
+    if method not in NS_METHODS:
+        raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected standard or gram)")
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., rows, cols] tensor, got shape {list(G.shape)}")
     coeffs = coefficients_for(coefficients, steps)
@@ -148,12 +199,13 @@ def newton_schulz(
     chunk = min(batch, batch_chunk(min(rows, cols), max(rows, cols), dtype, G.device) or batch)
     work = _Workspace(chunk, rows, cols, dtype, G.device)
     safety = NORM_SAFETY[coefficients]
+    gram = method == "gram" and gram_pays(min(rows, cols), max(rows, cols), len(coeffs))
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
         X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start], keep)
         # The last step writes straight into `out` when no cast is needed.
         final = out3[start:stop] if out.dtype == dtype else None
-        X = _iterate(X, coeffs, work, final)
+        X = _iterate_gram(X, coeffs, work, final) if gram else _iterate(X, coeffs, work, final)
         if final is None:
             out3[start:stop].copy_(X)
     return out
@@ -289,3 +341,38 @@ def _iterate(
             torch.baddbmm(X, B, X, beta=a, out=dst)
         X, Y = dst, X
     return X
+
+
+def gram_polynomial(R: Tensor, a: float, b: float, c: float) -> Tensor:
+    """Z = a I + b R + c R^2 for a batch of square R."""
+    Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
+    Z.diagonal(dim1=-2, dim2=-1).add_(a)
+    return Z
+
+
+def _iterate_gram(
+    X: Tensor, coeffs: Sequence[Coefficient], work: _Workspace, final: Tensor | None = None
+) -> Tensor:
+    """Gram Newton-Schulz on a contiguous batch X [B, rows, cols]: the same result as
+    _iterate in exact arithmetic (see the module docstring). Works on the wide view W (X^T for
+    tall X), so R = W W^T is the small side; writes into `final` when given."""
+    W = X.mT if work.tall else X
+    R = torch.bmm(W, W.mT)
+    Q: Tensor | None = None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        Z = gram_polynomial(R, a, b, c)
+        Q = Z if Q is None else torch.bmm(Z, Q)
+        if i == last:
+            break
+        if i + 1 in GRAM_RESTART_AFTER:
+            W = torch.bmm(Q, W)
+            R, Q = torch.bmm(W, W.mT), None
+        else:
+            R = torch.bmm(torch.bmm(Z, R), Z)
+    result = torch.bmm(Q, W)
+    result = result.mT if work.tall else result
+    if final is None:
+        return result
+    final.copy_(result)
+    return final

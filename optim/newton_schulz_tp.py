@@ -5,7 +5,12 @@ import torch
 from torch import Tensor
 
 from model.comm import Group, all_reduce
-from optim.newton_schulz import NORM_SAFETY, coefficients_for
+from optim.newton_schulz import GRAM_RESTART_AFTER, NORM_SAFETY, coefficients_for, gram_pays, gram_polynomial
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums run in fp32, or in fp64 for fp64 inputs (the reference tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def newton_schulz_sharded(
@@ -17,6 +22,7 @@ def newton_schulz_sharded(
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     keep: Tensor | None = None,
+    method: str = "standard",
 ) -> Tensor:
     """This rank's shard of Newton-Schulz(X) for the N full matrices X split over `group`.
 
@@ -28,18 +34,53 @@ def newton_schulz_sharded(
     so each iteration all-reduces one small Gram matrix and keeps the update local. The
     Frobenius norm is all-reduced once. Returns the shard in `dtype`. `keep` gates the result
     as in newton_schulz (0: zeros).
+
+    method="gram" (Gram Newton-Schulz, see optim/newton_schulz.py) all-reduces the Gram
+    matrix once per restart segment instead of once per iteration: every later Gram matrix is
+    a polynomial of it, computed alike on every rank, and the shard is multiplied by the
+    accumulated polynomial Q at the segment's end (X_r Q for a rows split, Q X_c for a cols
+    split). Used where gram_pays for the Gram side and the shard's other side.
     """
     coeffs = coefficients_for(coefficients, steps)
-    sq = X_shard.float().pow(2).sum(dim=(-2, -1), keepdim=True)
+    acc = _accumulation_dtype(X_shard.dtype)
+    sq = X_shard.to(acc).pow(2).sum(dim=(-2, -1), keepdim=True)
     norm = all_reduce(sq, group).sqrt_()
     denom = norm * NORM_SAFETY[coefficients] + eps
     if keep is not None:
         denom = denom / keep
-    X = (X_shard.float() / denom).to(dtype)
+    X = (X_shard.to(acc) / denom).to(dtype)
+    gram_side, other = (X.shape[-1], X.shape[-2]) if split == 0 else (X.shape[-2], X.shape[-1])
+    if method == "gram" and gram_pays(gram_side, other, len(coeffs)):
+        return _gram_sharded(X, split, group, coeffs, dtype)
     for a, b, c in coeffs:
         gram = X.mT @ X if split == 0 else X @ X.mT
         # Summed in fp32: the Gram matrix is small, and its accuracy bounds the whole step.
-        gram = all_reduce(gram.float(), group).to(dtype)
+        gram = all_reduce(gram.to(_accumulation_dtype(dtype)), group).to(dtype)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         X = torch.baddbmm(X, X, poly, beta=a) if split == 0 else torch.baddbmm(X, poly, X, beta=a)
     return X
+
+
+def _gram_sharded(X: Tensor, split: int, group: Group, coeffs, dtype: torch.dtype) -> Tensor:
+    """Gram Newton-Schulz on shards: one all-reduce of the Gram matrix per restart segment."""
+
+    def reduced_gram(X: Tensor) -> Tensor:
+        gram = X.mT @ X if split == 0 else X @ X.mT
+        return all_reduce(gram.to(_accumulation_dtype(dtype)), group).to(dtype)
+
+    def apply(Q: Tensor, X: Tensor) -> Tensor:
+        return X @ Q if split == 0 else Q @ X
+
+    R, Q = reduced_gram(X), None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        Z = gram_polynomial(R, a, b, c)
+        Q = Z if Q is None else Z @ Q  # Z and Q commute: the order is free
+        if i == last:
+            break
+        if i + 1 in GRAM_RESTART_AFTER:
+            X = apply(Q, X)
+            R, Q = reduced_gram(X), None
+        else:
+            R = Z @ R @ Z
+    return apply(Q, X)

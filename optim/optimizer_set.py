@@ -86,31 +86,53 @@ class OptimizerSet:
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
 
+    def checkpoint_state(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state optimizer `key` keeps for `tensor`, as checkpoints hold it: the step count
+        0-d, everything else in tensor's shape (an optimizer may keep a compact form, like
+        NorMuon's per-row v, and define export_state / import_state)."""
+        opt = self.optimizers[key]
+        state = opt.state.get(tensor, {})
+        export = getattr(opt, "export_state", None)
+        if export is not None:
+            return export(tensor, state)
+        return {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+    def install_checkpoint_state(self, key: str, tensor: torch.Tensor, entry: dict[str, torch.Tensor]) -> None:
+        """The inverse of checkpoint_state: `entry` (from a checkpoint, any device) becomes the
+        state of `tensor` in optimizer `key`."""
+        opt = self.optimizers[key]
+        state = {k: install_state(k, v, tensor) for k, v in entry.items()}
+        load = getattr(opt, "import_state", None)
+        opt.state[tensor] = load(tensor, state) if load is not None else state
+
+    def _optimizer_of(self, p: torch.Tensor) -> str | None:
+        return next((key for key, opt in self.optimizers.items()
+                     if any(p is q for g in opt.param_groups for q in g["params"])), None)
+
     def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """{parameter name: (parameter, its optimizer state)} as this rank holds them (TP-local,
-        whole over DP). Collective in subclasses that shard state over DP."""
+        whole over DP, in checkpoint form). Collective in subclasses that shard state over DP."""
         out = {}
         for name, p in model.named_parameters():
-            for opt in self.optimizers.values():
-                if p in opt.state and opt.state[p]:
-                    out[name] = (p, {k: v for k, v in opt.state[p].items() if torch.is_tensor(v)})
+            key = self._optimizer_of(p)
+            if key is not None and self.optimizers[key].state.get(p):
+                out[name] = (p, self.checkpoint_state(key, p))
         return out
 
     def load_local_state(self, model: torch.nn.Module, local: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Install per-parameter state (TP-local, whole over DP), e.g. from a checkpoint."""
+        """Install per-parameter state (TP-local, whole over DP, checkpoint form)."""
         params = dict(model.named_parameters())
         for name, state in local.items():
             p = params[name]
-            opt = next(o for o in self.optimizers.values() if any(p is q for g in o.param_groups for q in g["params"]))
-            opt.state[p] = {k: install_state(k, v, p) for k, v in state.items()}
+            self.install_checkpoint_state(self._optimizer_of(p), p, state)
 
     def owned_pieces(self, model: torch.nn.Module) -> list[OwnedPiece]:
         """What this rank steps: every trainable parameter, whole (ZeRO-1 overrides this)."""
         pieces = []
         for name, p in model.named_parameters():
-            for key, opt in self.optimizers.items():
-                if any(p is q for g in opt.param_groups for q in g["params"]):
-                    pieces.append(OwnedPiece(name, p, 0, key))
+            key = self._optimizer_of(p)
+            if key is not None:
+                pieces.append(OwnedPiece(name, p, 0, key))
         return pieces
 
     def state_tensors(self) -> Iterator[torch.Tensor]:

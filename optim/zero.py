@@ -25,7 +25,7 @@ from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.muon import Muon, matrix_layout, tp_gather_dim
-from optim.optimizer_set import OptimizerSet, OwnedPiece, install_state, skip_if
+from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
 from optim.routing import HEAD_KINDS, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
 from trainer.mesh import Mesh
@@ -126,7 +126,8 @@ class ZeroOptimizer(OptimizerSet):
                                       ns_steps=m.ns_steps, coefficients=m.coefficients,
                                       ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps,
                                       tp_mode=m.tp_mode, compile_updates=compile_updates,
-                                      cautious_wd=cfg.cautious_wd)
+                                      cautious_wd=cfg.cautious_wd, ns_method=m.ns_method,
+                                      normuon=m.normuon, normuon_beta2=m.normuon_beta2)
         if adamw_groups:
             groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}
                       for kind, plist in adamw_groups.items()]
@@ -235,13 +236,12 @@ class ZeroOptimizer(OptimizerSet):
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         slots: dict[str, dict[str, torch.Tensor]] = {}
         for tensor, s in self._owned:
-            for opt in self.optimizers.values():
-                state = opt.state.get(tensor)
-                if not state:
+            for opt_key, opt in self.optimizers.items():
+                if not opt.state.get(tensor):
                     continue
                 p, name = self.params[s.param], names[s.param]
                 entry = slots.setdefault(name, {})
-                for key, value in state.items():
+                for key, value in self.checkpoint_state(opt_key, tensor).items():
                     if key == "step":
                         entry["step"] = value.detach().clone().float()
                         continue
@@ -271,11 +271,10 @@ class ZeroOptimizer(OptimizerSet):
             entry = local.get(names[s.param])
             if not entry:
                 continue
-            opt = self.optimizers["muon" if tensor is self.params[s.param] else "adamw"]
-            opt.state[tensor] = {
-                k: install_state(k, v if k == "step" else v.reshape(-1)[s.start : s.start + s.length].view(tensor.shape), tensor)
-                for k, v in entry.items()
-            }
+            self.install_checkpoint_state(
+                "muon" if tensor is self.params[s.param] else "adamw", tensor,
+                {k: v if k == "step" else v.reshape(-1)[s.start : s.start + s.length].view(tensor.shape)
+                 for k, v in entry.items()})
 
     def zero_grad(self) -> None:
         for p in self.params:

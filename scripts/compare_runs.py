@@ -211,26 +211,73 @@ def in_run_table(a: Arm, b: Arm, keys: list[str], alpha: float) -> list[str]:
     return lines
 
 
+def schedule_lengths(a: Arm, arms_b: list[Arm]) -> list[float]:
+    """Each of B's schedules (`arms_b`, ascending) as a multiple of A's."""
+    steps_a = a.final_step(BEST_KEY)
+    return [(arm.final_step(BEST_KEY) or 0) / steps_a for arm in arms_b]
+
+
+def ratio_cell(target, lengths: list[float], finals) -> str:
+    """The schedule ratio B/A at which B's final loss reaches `target`, with its interval."""
+    s = schedule_ratio_over_seeds(target, lengths, finals)
+    if s.ratio is None:
+        return f"> {s.lengths[-1]:g} (not reached)"
+    if s.ratio == s.lengths[0] and s.finals[0].mean <= s.target.mean:
+        return f"<= {s.lengths[0]:g}"
+    return fmt_interval(s.ratio, s.se, s.half_width_95)
+
+
 def honest_table(a: Arm, arms_b: list[Arm], keys: list[str]) -> list[str]:
     """B's final at each length (`arms_b`, one per length, ascending) against A's final."""
-    steps_a = a.final_step(BEST_KEY)
-    lengths = [(arm.final_step(BEST_KEY) or 0) / steps_a for arm in arms_b]
+    lengths = schedule_lengths(a, arms_b)
     lines = ["| loss | A final | " + " | ".join(f"B at {x:g}x" for x in lengths) + " | schedule ratio B/A |",
              "| --- | ---: | " + " | ".join("---:" for _ in lengths) + " | ---: |"]
     for key in keys:
         target, finals = a.final_estimate(key), [arm.final_estimate(key) for arm in arms_b]
         if target is None or any(f is None for f in finals):
             continue
-        s = schedule_ratio_over_seeds(target, lengths, finals)  # type: ignore[arg-type]
-        if s.ratio is None:
-            ratio = f"> {s.lengths[-1]:g} (not reached)"
-        elif s.ratio == s.lengths[0] and s.finals[0].mean <= s.target.mean:
-            ratio = f"<= {s.lengths[0]:g}"
-        else:
-            ratio = fmt_interval(s.ratio, s.se, s.half_width_95)
-        lines.append(f"| {key} | {target.format()} | " + " | ".join(f.format() for f in s.finals) + f" | {ratio} |")
+        ratio = ratio_cell(target, lengths, finals)
+        lines.append(f"| {key} | {target.format()} | " + " | ".join(f.format() for f in finals) + f" | {ratio} |")
     lrs = ", ".join(f"{x:g}x {'-' if arm.lr is None else format(arm.lr, 'g')}" for x, arm in zip(lengths, arms_b))
     return lines + ["", f"B's lr at each length: {lrs}"]
+
+
+def pick_pair(selected: list[Arm]) -> tuple[Arm, Arm, list[Arm]]:
+    """A (plain Muon, else a Muon variant), B (plain AdamW, else an AdamW variant) and the other
+    settings; without both families, the first two settings."""
+    def rank(arm: Arm, family: str) -> tuple[int, str]:
+        return (0 if arm.optimizer == family else 1, arm.optimizer)
+
+    muons = sorted((r for r in selected if r.optimizer.split("+")[0] == "muon"), key=lambda r: rank(r, "muon"))
+    adamws = sorted((r for r in selected if r.optimizer.split("+")[0] == "adamw"), key=lambda r: rank(r, "adamw"))
+    if muons and adamws:
+        a, b = muons[0], adamws[0]
+    else:
+        a, b = selected[0], selected[1]
+    rest = sorted((r for r in selected if r is not a and r is not b), key=lambda r: r.optimizer)
+    return a, b, rest
+
+
+def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: list[str]) -> list[str]:
+    """Every optimizer setting at its best lr: final losses (mean +- se over seeds) and, with
+    B's longer schedules, the schedule ratio B needs to reach each setting's final loss."""
+    keys = [k for k in keys if k != "train/loss"] or keys
+    head = ["setting", "lr", "seeds"] + [f"final {k}" for k in keys]
+    lengths = schedule_lengths(a, arms_b) if arms_b else []
+    if lengths:
+        head += [f"schedule ratio, {k}" for k in keys]
+    lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:]) + " |"]
+    for arm in [a, b, *rest]:
+        cells = [arm.optimizer + (" (A)" if arm is a else " (B)" if arm is b else ""),
+                 "-" if arm.lr is None else f"{arm.lr:g}", ",".join(str(x) for x in arm.seeds)]
+        cells += [fmt_estimate(arm.final_estimate(k)) for k in keys]
+        if lengths:
+            for key in keys:
+                target, finals = arm.final_estimate(key), [x.final_estimate(key) for x in arms_b]
+                cells.append("-" if arm is b or target is None or None in finals
+                             else ratio_cell(target, lengths, finals))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[str]:
@@ -274,10 +321,10 @@ def main() -> None:
         sys.exit(f"error: {err}")
     swept = len(loaded) > len(args.runs)
     selected = best_per_optimizer(arms, BEST_KEY) if swept else arms
-    selected.sort(key=lambda r: r.optimizer != "muon")
     if len(selected) < 2:
         sys.exit(f"error: need two runs to compare, found {[r.label for r in selected]}")
-    a, b = selected[0], selected[1]
+    a, b, rest = pick_pair(selected)
+    selected = [a, b, *rest]
     for arm in longer:
         if arm.optimizer != b.optimizer:
             sys.exit(f"error: --longer run {arm.path} is {arm.optimizer}, not B's optimizer {b.optimizer}")
@@ -320,11 +367,12 @@ def main() -> None:
         report += sweep_table(arms, selected, eval_keys(loaded)) + [""]
     report += [f"## In-run leading steps: A = {a.label}, B = {b.label}", "",
                f"A: {', '.join(str(r.path) for r in a.runs)}", f"B: {', '.join(str(r.path) for r in b.runs)}", ""]
-    if len(selected) > 2:
-        report += [f"(plotted but not compared: {', '.join(r.label for r in selected[2:])})", ""]
     report += in_run_table(a, b, keys, args.alpha) + [""]
+    arms_b = best_per_length([b] + longer) if longer else []
+    if rest:
+        report += ["## Every optimizer setting, at its best lr", ""]
+        report += settings_table(a, b, rest, arms_b, eval_keys(loaded)) + [""]
     if longer:
-        arms_b = best_per_length([b] + longer)
         if len(arms_b) < len(longer) + 1:  # several lrs at some length: show the tuning
             report += [f"## Longer schedules: every lr of {b.optimizer}, the best per length marked", ""]
             report += sweep_table([b] + longer, arms_b, eval_keys(runs), with_steps=True) + [""]

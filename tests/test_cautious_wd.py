@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.gpt import GPT
-from model.parallelize import parallelize_tp
 from optim.adamw import CautiousAdamW
-from optim.builder import build_optimizer
 from optim.muon import Muon
 from tests.distributed import run_distributed
-from tests.test_distributed_muon import CFG, batches, optim_cfg, train
-from tests.test_tensor_parallel import gathered
-from trainer.mesh import Mesh, build_mesh
+from tests.test_distributed_muon import optim_cfg, trained_pair
 
 LR, WD = 0.05, 0.5
 
@@ -98,19 +93,10 @@ def test_a_skipped_step_decays_nothing(make_opt):
 def _parallel_worker(rank: int, world: int, tp: int, name: str, tp_mode: str) -> dict:
     """Five steps with cautious decay under DP x TP and in one process, every parameter compared
     element by element."""
-    mesh = build_mesh(tp)
     cfg = optim_cfg(name, cautious_wd=True, tp_mode=tp_mode)
-    data = batches(5, 4 if 4 % mesh.dp == 0 else 2 * mesh.dp)
-    torch.manual_seed(0)
-    reference = GPT(CFG)
-    train(reference, build_optimizer(reference, cfg, CFG, Mesh()), data, 0, 1)
-    torch.manual_seed(0)
-    model = parallelize_tp(GPT(CFG), mesh.tp_group)
-    train(model, build_optimizer(model, cfg, CFG, mesh), data, mesh.dp_rank, mesh.dp)
-    ref = dict(reference.named_parameters())
+    _, model, ref = trained_pair(cfg, tp)
     worst, outliers = 0.0, []
-    for n, p in model.named_parameters():
-        full = gathered(p, p.detach(), mesh.tp_group, ref[n].shape[0])
+    for n, full in model.items():
         diff = (full - ref[n]).abs()
         far = diff > 1e-5
         # how many decays of lr * wd * |w| each far-off element is away from the reference

@@ -40,10 +40,16 @@ def interrupted(run_dir: Path, overrides: list[str], mesh=None, stop_at: int = 4
     trainer.save_checkpoint()
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
-    make_trainer(tmp_path / "straight", ["trainer.batch_size=4"]).train()
-    interrupted(tmp_path / "resumed", ["trainer.batch_size=4"])
-    make_trainer(tmp_path / "resumed", ["trainer.batch_size=4"]).train()  # resume=auto
+# The Muon family's options: NorMuon's per-row second moment is optimizer state of its own.
+FAMILY = ["optim.muon.normuon=true", "optim.muon.ns_method=gram", "optim.cautious_wd=true"]
+
+
+@pytest.mark.parametrize("options", [[], FAMILY], ids=["muon", "muon-family"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, options):
+    overrides = ["trainer.batch_size=4", *options]
+    make_trainer(tmp_path / "straight", overrides).train()
+    interrupted(tmp_path / "resumed", overrides)
+    make_trainer(tmp_path / "resumed", overrides).train()  # resume=auto
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
@@ -202,8 +208,9 @@ def _layout_worker(rank: int, world: int, run_dir: str, overrides: list[str], mo
         make_trainer(Path(run_dir), overrides, mesh).train()
 
 
-def run_layout(run_dir: Path, dp: int, tp: int, mode: str, global_batch: int = 4, model: str = "gpt_tiny") -> None:
-    overrides = [f"trainer.batch_size={global_batch // dp}", f"parallel.tp={tp}", f"model={model}"]
+def run_layout(run_dir: Path, dp: int, tp: int, mode: str, global_batch: int = 4, model: str = "gpt_tiny",
+               options: tuple[str, ...] = ()) -> None:
+    overrides = [f"trainer.batch_size={global_batch // dp}", f"parallel.tp={tp}", f"model={model}", *options]
     if dp * tp == 1:
         if mode == "interrupt":
             interrupted(run_dir, overrides)
@@ -218,23 +225,26 @@ def run_layout(run_dir: Path, dp: int, tp: int, mode: str, global_batch: int = 4
 # writes its own shard; each load reads, through DCP, the parts its layout holds: Muon
 # matrices owned whole by one DP rank, AdamW state in flat ZeRO-1 pieces, TP shards with
 # vocabulary padding, MoE expert stacks.
-@pytest.mark.parametrize("saved, loaded, model, batch", [
-    pytest.param((2, 2), (2, 2), "gpt_tiny", 4, marks=pytest.mark.slow),
-    pytest.param((2, 2), (4, 1), "gpt_tiny", 4, marks=pytest.mark.slow),
-    ((1, 1), (2, 2), "gpt_tiny", 4),
-    pytest.param((3, 1), (1, 2), "gpt_tiny", 6, marks=pytest.mark.slow),
-    pytest.param((4, 1), (1, 1), "gpt_tiny", 4, marks=pytest.mark.slow),
-    pytest.param((2, 2), (4, 1), "moe_tiny", 4, marks=pytest.mark.slow),
-    pytest.param((1, 1), (2, 2), "moe_tiny", 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("saved, loaded, model, batch, options", [
+    pytest.param((2, 2), (2, 2), "gpt_tiny", 4, (), marks=pytest.mark.slow),
+    pytest.param((2, 2), (4, 1), "gpt_tiny", 4, (), marks=pytest.mark.slow),
+    ((1, 1), (2, 2), "gpt_tiny", 4, ()),
+    pytest.param((3, 1), (1, 2), "gpt_tiny", 6, (), marks=pytest.mark.slow),
+    pytest.param((4, 1), (1, 1), "gpt_tiny", 4, (), marks=pytest.mark.slow),
+    pytest.param((2, 2), (4, 1), "moe_tiny", 4, (), marks=pytest.mark.slow),
+    pytest.param((1, 1), (2, 2), "moe_tiny", 4, (), marks=pytest.mark.slow),
+    # NorMuon's v, saved in its weights' shape, cut and regrouped like the momentum
+    pytest.param((2, 1), (1, 2), "moe_tiny", 4, tuple(FAMILY), marks=pytest.mark.slow),
+    pytest.param((1, 2), (2, 1), "gpt_tiny", 4, (*FAMILY, "optim.muon.tp_mode=gram"), marks=pytest.mark.slow),
 ])
-def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded, model, batch):
+def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded, model, batch, options):
     straight = tmp_path / "straight"
-    run_layout(straight, *saved, mode="train", global_batch=batch, model=model)
+    run_layout(straight, *saved, mode="train", global_batch=batch, model=model, options=options)
     resumed = tmp_path / "resumed"
-    run_layout(resumed, *saved, mode="interrupt", global_batch=batch, model=model)
+    run_layout(resumed, *saved, mode="interrupt", global_batch=batch, model=model, options=options)
     assert checkpoint.open_checkpoint(resumed / "checkpoints" / "step_00000004")["mesh"] == dict(
         dp=saved[0], tp=saved[1])
-    run_layout(resumed, *loaded, mode="train", global_batch=batch, model=model)
+    run_layout(resumed, *loaded, mode="train", global_batch=batch, model=model, options=options)
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     tol = 0.0 if saved == loaded else 1e-5

@@ -253,6 +253,9 @@ def test_parallel_local_jobs_split_the_cores(monkeypatch):
 def compose_with_hydra(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
+    from trainer.config import register_configs
+
+    register_configs()  # as compose() does: a test run on its own must not depend on another
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
@@ -346,3 +349,31 @@ def test_ranks_other_than_0_drop_the_job_log_file(tmp_path, monkeypatch):
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
         job_log.close()
+
+
+FAMILY = {"muon": "muon", "normuon": "muon+normuon", "cautious_wd": "muon+cautious_wd",
+          "all": "muon+normuon+cautious_wd+gram_ns", "adamw": "adamw", "adamw_cautious_wd": "adamw+cautious_wd"}
+
+
+def test_the_muon_family_sweep_runs_every_setting_and_compare_runs_gives_each_a_row(tmp_path):
+    """docs/results.md's "Which Muon" sweep, on gpt_tiny for 3 steps and one seed."""
+    params = compose_with_hydra(["+experiment=muon_family_cpu"]).hydra.sweeper.params
+    assert dict(params) == {"muon_family": ",".join(FAMILY), "seed": "0,1,2"}
+    sweep = tmp_path / "family"
+    proc = run_train(["-m", "+experiment=muon_family_cpu", "seed=0", f"hydra.sweep.dir={sweep}", *TINY])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = job_dirs(sweep)
+    assert [p.name.split("=", 1)[1] for p in jobs] == list(FAMILY)
+    for job, setting in zip(jobs, FAMILY):
+        optim = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optim"]
+        assert optim["lr"] == (1e-2 if setting in ("muon", "normuon", "cautious_wd", "all") else 1e-3)
+        assert all(math.isfinite(r["train/loss"]) for r in records(job))
+    out = tmp_path / "cmp"
+    cmp = subprocess.run([sys.executable, "scripts/compare_runs.py", str(sweep), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 0, cmp.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    table = summary.split("## Every optimizer setting, at its best lr")[1].split("\n## ")[0]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["muon (A)", "adamw (B)", "adamw+cautious_wd", "muon+cautious_wd",
+                    "muon+normuon", "muon+normuon+cautious_wd+gram_ns"]

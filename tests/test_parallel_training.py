@@ -62,6 +62,15 @@ def test_grad_accum_matches_a_larger_batch(tmp_path, single_2b):
     assert accum[-1]["tokens"] == single_2b[-1]["tokens"]
 
 
+def test_grad_accum_with_the_muon_family_matches_a_larger_batch(tmp_path):
+    """NorMuon, cautious weight decay and Gram Newton-Schulz act on the accumulated gradient."""
+    family = ["optim=muon", "optim.muon.ns_dtype=fp32", "optim.muon.normuon=true", "optim.muon.ns_method=gram",
+              "optim.cautious_wd=true"]
+    big = train_in_process(tmp_path / "big", [*family, "trainer.batch_size=4"])
+    accum = train_in_process(tmp_path / "accum", [*family, "trainer.batch_size=2", "trainer.grad_accum=2"])
+    assert_tracks(losses(accum), losses(big), 1e-4)
+
+
 def test_dp2_tp2_adamw_tracks_the_single_process_run(tmp_path, single_2b):
     run_distributed(_train_worker, 4, str(tmp_path), ["trainer.batch_size=2", "parallel.tp=2"])
     parallel = read_metrics(tmp_path)

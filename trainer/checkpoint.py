@@ -41,7 +41,6 @@ import torch.distributed as dist
 from data.atomic import atomic_output
 from model.comm import group_rank, group_size
 from model.tp_ops import gather_from_tp
-from optim.optimizer_set import install_state
 from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner, TPPlacement, pieces_of
 
 log = logging.getLogger("checkpoint")
@@ -260,10 +259,7 @@ def sharded_state(trainer) -> dict[str, Chunks]:
     out = model_chunks(trainer)
     for piece in trainer.optimizer.owned_pieces(model):
         p, placement = params[piece.name], placements[piece.name]
-        state = trainer.optimizer.optimizers[piece.optimizer].state.get(piece.tensor, {})
-        for key, value in state.items():
-            if not torch.is_tensor(value):
-                continue
+        for key, value in trainer.optimizer.checkpoint_state(piece.optimizer, piece.tensor).items():
             if value.ndim == 0:  # AdamW's step count: every owner of the parameter holds the same
                 out[_state_key(piece.name, key)] = Chunks((), [((), value.detach())])
                 continue
@@ -622,10 +618,8 @@ def _restore_sharded(trainer, state: dict[str, Any], expected: dict[str, tuple[i
              process_group=_process_group(mesh), no_dist=mesh.world_size == 1)
     for piece, entry in installs:
         if entry:
-            trainer.optimizer.optimizers[piece.optimizer].state[piece.tensor] = {
-                k: install_state(k, v if v.ndim == 0 else v.view(piece.tensor.shape), piece.tensor)
-                for k, v in entry.items()
-            }
+            trainer.optimizer.install_checkpoint_state(
+                piece.optimizer, piece.tensor, {k: v if v.ndim == 0 else v.view(piece.tensor.shape) for k, v in entry.items()})
 
 
 def _restore_file(trainer, state: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:

@@ -21,7 +21,7 @@ from data.config import DataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
 from optim.muon import NS_DTYPES
-from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
+from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
 from optim.routing import ALL_KINDS
 
 
@@ -229,6 +229,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("optim.muon.coefficients", o.muon.coefficients, tuple(COEFFICIENTS))
     _choice("optim.muon.adjust_lr", o.muon.adjust_lr, ADJUST_LR_MODES)
     _choice("optim.muon.tp_mode", o.muon.tp_mode, ("gather", "gram"))
+    _choice("optim.muon.ns_method", o.muon.ns_method, NS_METHODS)
+    if not 0 <= o.muon.normuon_beta2 < 1:
+        raise ConfigError(f"optim.muon.normuon_beta2 must lie in [0, 1), got {o.muon.normuon_beta2}")
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
