@@ -117,7 +117,9 @@ def optimizer_setting(optim: dict) -> str:
     different optimizers to every table: each gets its own best lr and its own row."""
     name = str(optim["name"])
     muon = optim.get("muon", {}) if name == "muon" else {}
-    options = [label for label, on in (("normuon", muon.get("normuon")),
+    beta2 = muon.get("normuon_beta2", 0.95)
+    normuon = "normuon" if beta2 == 0.95 else f"normuon(beta2={beta2:g})"
+    options = [label for label, on in ((normuon, muon.get("normuon")),
                                        ("cautious_wd", optim.get("cautious_wd")),
                                        ("gram_ns", muon.get("ns_method") == "gram")) if on]
     return "+".join([name, *options])

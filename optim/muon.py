@@ -293,6 +293,9 @@ class Muon(torch.optim.Optimizer):
                 k, rows, cols = matrix_layout(p.shape, group["split_rows"])
                 if beta2 is not None and "normuon_v" not in state:
                     state["normuon_v"] = torch.zeros(self._normuon_shape(p, group), device=p.device)
+                elif beta2 is not None and state["normuon_v"].dtype != torch.float32:
+                    # torch's load_state_dict casts state to the parameter's dtype; v stays fp32
+                    state["normuon_v"] = state["normuon_v"].float()
                 item = _Item(p, p.grad, buf, group, k, rows, cols, state.get("normuon_v") if beta2 is not None else None)
                 split = tp_gather_dim(p, group)
                 if split is not None:

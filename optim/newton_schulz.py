@@ -354,11 +354,18 @@ def _iterate_gram(
     X: Tensor, coeffs: Sequence[Coefficient], work: _Workspace, final: Tensor | None = None
 ) -> Tensor:
     """Gram Newton-Schulz on a contiguous batch X [B, rows, cols]: the same result as
-    _iterate in exact arithmetic (see the module docstring). Works on the wide view W (X^T for
-    tall X), so R = W W^T is the small side; writes into `final` when given."""
-    W = X.mT if work.tall else X
-    R = torch.bmm(W, W.mT)
-    Q: Tensor | None = None
+    _iterate in exact arithmetic (see the module docstring). R is the small side's Gram
+    matrix (X X^T for wide X, X^T X for tall), and Q multiplies X from that side (Q is
+    symmetric), so X is never transposed. Writes into `final` when given."""
+    tall = work.tall
+
+    def gram(X: Tensor) -> Tensor:
+        return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+
+    def apply(Q: Tensor, X: Tensor, out: Tensor | None = None) -> Tensor:
+        return torch.bmm(X, Q, out=out) if tall else torch.bmm(Q, X, out=out)
+
+    R, Q = gram(X), None
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
         Z = gram_polynomial(R, a, b, c)
@@ -366,13 +373,8 @@ def _iterate_gram(
         if i == last:
             break
         if i + 1 in GRAM_RESTART_AFTER:
-            W = torch.bmm(Q, W)
-            R, Q = torch.bmm(W, W.mT), None
+            X = apply(Q, X)
+            R, Q = gram(X), None
         else:
             R = torch.bmm(torch.bmm(Z, R), Z)
-    result = torch.bmm(Q, W)
-    result = result.mT if work.tall else result
-    if final is None:
-        return result
-    final.copy_(result)
-    return final
+    return apply(Q, X, out=final)

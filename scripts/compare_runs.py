@@ -244,16 +244,18 @@ def honest_table(a: Arm, arms_b: list[Arm], keys: list[str]) -> list[str]:
 
 def pick_pair(selected: list[Arm]) -> tuple[Arm, Arm, list[Arm]]:
     """A (plain Muon, else a Muon variant), B (plain AdamW, else an AdamW variant) and the other
-    settings; without both families, the first two settings."""
-    def rank(arm: Arm, family: str) -> tuple[int, str]:
-        return (0 if arm.optimizer == family else 1, arm.optimizer)
+    settings. Without both families, the first two of: the Muon settings (plain first), the
+    AdamW settings (plain first), any others."""
+    def family(arm: Arm) -> str:
+        return arm.optimizer.split("+")[0]
 
-    muons = sorted((r for r in selected if r.optimizer.split("+")[0] == "muon"), key=lambda r: rank(r, "muon"))
-    adamws = sorted((r for r in selected if r.optimizer.split("+")[0] == "adamw"), key=lambda r: rank(r, "adamw"))
-    if muons and adamws:
-        a, b = muons[0], adamws[0]
-    else:
-        a, b = selected[0], selected[1]
+    def order(arm: Arm) -> tuple[int, int, str]:
+        return ({"muon": 0, "adamw": 1}.get(family(arm), 2), 0 if arm.optimizer == family(arm) else 1, arm.optimizer)
+
+    ordered = sorted(selected, key=order)
+    muons = [r for r in ordered if family(r) == "muon"]
+    adamws = [r for r in ordered if family(r) == "adamw"]
+    a, b = (muons[0], adamws[0]) if muons and adamws else ordered[:2]
     rest = sorted((r for r in selected if r is not a and r is not b), key=lambda r: r.optimizer)
     return a, b, rest
 

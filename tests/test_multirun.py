@@ -356,7 +356,7 @@ FAMILY = {"muon": "muon", "normuon": "muon+normuon", "cautious_wd": "muon+cautio
 
 
 def test_the_muon_family_sweep_runs_every_setting_and_compare_runs_gives_each_a_row(tmp_path):
-    """docs/results.md's "Which Muon" sweep, on gpt_tiny for 3 steps and one seed."""
+    """docs/muon_family.md's comparison sweep, on gpt_tiny for 3 steps and one seed."""
     params = compose_with_hydra(["+experiment=muon_family_cpu"]).hydra.sweeper.params
     assert dict(params) == {"muon_family": ",".join(FAMILY), "seed": "0,1,2"}
     sweep = tmp_path / "family"

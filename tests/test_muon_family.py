@@ -217,6 +217,25 @@ def test_normuon_equals_the_papers_equations(shape):
         (k, rows, 1) if rows >= cols else (k, 1, cols))
 
 
+def test_normuon_survives_a_skipped_first_step_and_a_state_dict_round_trip_in_bf16():
+    p = torch.nn.Parameter(torch.randn(12, 20, dtype=torch.bfloat16))
+    opt = Muon([p], lr=LR, weight_decay=WD, normuon=True, ns_dtype="fp32")
+    p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.tensor(1.0)
+    before = p.detach().clone()
+    opt.step()  # skipped with v still zero: no NaN from 0 / 0
+    assert torch.equal(p.detach(), before) and not opt.state[p]["normuon_v"].any()
+    del opt.found_inf
+    p.grad = torch.randn_like(p)
+    opt.step()
+    # torch's load_state_dict casts state to the parameter's dtype; the step puts v back in fp32
+    again = Muon([p], lr=LR, weight_decay=WD, normuon=True, ns_dtype="fp32")
+    again.load_state_dict(opt.state_dict())
+    assert again.state[p]["normuon_v"].dtype == torch.bfloat16
+    again.step()
+    assert again.state[p]["normuon_v"].dtype == torch.float32 and p.detach().isfinite().all()
+
+
 def test_normuon_skipped_step_changes_nothing():
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(12, 20, generator=g, dtype=torch.float64)]
