@@ -315,7 +315,6 @@ def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: i
     per_call = 2 * seq_len * micro_batch * cfg.d_model
     tp_act = 4 * cfg.n_layers * micro_steps * all_reduce_s(per_call, tp, hw.nvlink) if tp > 1 else 0.0
     dp_link = hw.dp_link(dp, tp)
-    flat_bytes = rows["muon-ours"].dp_bytes / 2  # one of the two collectives, fp32 flat buffer
 
     steps = {}
     for design, row in rows.items():
@@ -333,8 +332,10 @@ def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: i
             "opt_elementwise": (ADAMW_BYTES_PER_ELEMENT * row.adamw_elements
                                 + MUON_BYTES_PER_ELEMENT * row.muon_elements) / hw.hbm_bytes_s,
         }
-        # ZeroOptimizer's flat fp32 buffer (gradients in, parameters back), its reduced
-        # gradient segment and its send buffer.
+        # The design's own flat fp32 buffer (gradients in, parameters back: one of its two
+        # collectives' bytes, padding included), its reduced gradient segment and its send
+        # buffer. Ours pads to whole-matrix segments; the even splits pad to dp elements.
+        flat_bytes = flat / 2
         zero_buffers = flat_bytes + 2 * flat_bytes / dp if dp > 1 else 0.0
         memory = {
             "params": 4 * local_numel,

@@ -18,7 +18,10 @@ class CautiousAdamW(torch.optim.AdamW):
     The fused kernel steps with weight decay 0; u * W > 0 is read off the step it took
     (W_before - W_after = lr * u, with the same sign as u), and the masked decay, computed from
     the weights before the step, is applied after it. A step the kernel skipped (`found_inf`)
-    leaves W unchanged, so nothing is decayed either. Costs one copy of the stepped tensors."""
+    leaves W unchanged, so nothing is decayed either. Costs one copy of the stepped tensors.
+    Where lr * u is below W's rounding step (|lr * u| < 2^-24 |W| for fp32 weights), W does
+    not move and that coordinate is not decayed, where the paper's rule would decay it; Adam's
+    normalised update is rarely that small."""
 
     @torch.no_grad()
     def step(self, closure=None):

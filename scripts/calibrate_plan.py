@@ -142,6 +142,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--matmul-size", type=int, default=384, help="side of the timed matmul (the model's width)")
     args = parser.parse_args()
+    for layout in args.layouts:  # refuse a bad layout before any rank is started
+        dims = layout.split("x")
+        if len(dims) != 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            parser.error(f"--layouts: {layout!r} is not DPxTP (e.g. 2x1)")
+        if int(dims[0]) * int(dims[1]) < 2:
+            parser.error(f"--layouts: {layout} has one rank; the link's latency and bandwidth are "
+                         "measured between ranks, so every layout needs at least 2")
     sys.path.insert(0, str(REPO / "tests"))
     from tests.distributed import run_distributed
 

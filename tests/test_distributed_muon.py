@@ -1,6 +1,8 @@
 """Distributed Muon (ZeRO-1 over DP, TP-aware Newton-Schulz) equals single-process Muon."""
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -45,14 +47,18 @@ def train(model, opt, data, dp_rank: int, dp: int) -> None:
         opt.zero_grad()
 
 
-def trained_pair(cfg: OptimConfig, tp: int, model_cfg: ModelConfig = CFG, global_batch: int | None = None):
+def trained_pair(cfg: OptimConfig, tp: int, model_cfg: ModelConfig = CFG, global_batch: int | None = None,
+                 after_reference: Callable[[], object] | None = None):
     """(mesh, the DP x TP model, its single-process reference, as full tensors by name) after
-    the same 5 steps from the same initial weights. Call on every rank."""
+    the same 5 steps from the same initial weights; `after_reference` runs between the two
+    trainings. Call on every rank."""
     mesh = build_mesh(tp)
     data = batches(5, global_batch or (4 if 4 % mesh.dp == 0 else 2 * mesh.dp))
     torch.manual_seed(0)
     reference = GPT(model_cfg)
     train(reference, build_optimizer(reference, cfg, model_cfg, Mesh()), data, 0, 1)
+    if after_reference is not None:
+        after_reference()
     torch.manual_seed(0)
     model = parallelize_tp(GPT(model_cfg), mesh.tp_group)
     train(model, build_optimizer(model, cfg, model_cfg, mesh), data, mesh.dp_rank, mesh.dp)

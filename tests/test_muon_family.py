@@ -273,10 +273,21 @@ def test_normuon_state_goes_to_checkpoints_in_the_parameters_shape_and_back():
 WIDE_CFG = dataclasses.replace(CFG, ffn_hidden=128)
 
 
-def _option_worker(rank: int, world: int, tp: int, option: str, tp_mode: str) -> float:
+def _option_worker(rank: int, world: int, tp: int, option: str, tp_mode: str) -> tuple[float, int]:
+    """The worst relative parameter error against single-process, and how many times this
+    rank took a Gram iteration (whole-matrix or sharded): Gram and standard agree to fp32
+    rounding, so the error alone would not show a Gram path that is never taken."""
+    import optim.newton_schulz as ns
+    import optim.newton_schulz_tp as ns_tp
+
+    gram_calls = []
+    for module, name in ((ns, "_iterate_gram"), (ns_tp, "_gram_sharded")):
+        setattr(module, name, lambda *a, _f=getattr(module, name): gram_calls.append(1) or _f(*a))
     muon = {"normuon": {"normuon": True}, "gram": {"ns_method": "gram"}}[option]
-    _, model, ref = trained_pair(optim_cfg("muon", tp_mode=tp_mode, **muon), tp, WIDE_CFG)
-    return max(((full - ref[n]).norm() / ref[n].norm()).item() for n, full in model.items())
+    _, model, ref = trained_pair(optim_cfg("muon", tp_mode=tp_mode, **muon), tp, WIDE_CFG,
+                                 after_reference=gram_calls.clear)  # count the parallel run's only
+    worst = max(((full - ref[n]).norm() / ref[n].norm()).item() for n, full in model.items())
+    return worst, len(gram_calls)
 
 
 @pytest.mark.parametrize("option", ["normuon", "gram"])
@@ -286,5 +297,11 @@ def _option_worker(rank: int, world: int, tp: int, option: str, tp_mode: str) ->
 def test_option_in_parallel_equals_single_process(option, dp, tp, tp_mode):
     """DP=3: uneven whole-matrix ownership (NorMuon's v lives with the owner). TP=2: each rank
     normalises its shard of O with the row sums or norms all-reduced over TP."""
-    for rank, worst in enumerate(run_distributed(_option_worker, dp * tp, tp, option, tp_mode)):
+    results = run_distributed(_option_worker, dp * tp, tp, option, tp_mode)
+    for rank, (worst, _) in enumerate(results):
         assert worst <= 1e-5, f"rank {rank}: relative parameter error {worst:.2e}"
+    gram_calls = [calls for _, calls in results]
+    if option == "gram":  # under TP every rank iterates its shard; under DP the owners of MLP matrices
+        assert all(gram_calls) if tp > 1 else any(gram_calls), gram_calls
+    else:
+        assert not any(gram_calls), gram_calls

@@ -165,8 +165,14 @@ def test_dp2_zero1_with_the_clip_tracks_the_single_process_run(tmp_path, clipped
     run_distributed(_train_worker, 2, str(tmp_path), CLIP + ["trainer.batch_size=2"])
     parallel = read_metrics(tmp_path)
     assert_same_clipped_run(parallel, clipped_single)
-    # the per-head maxima cross DP once per step: 2 layers x 4 heads of fp32
-    assert parallel[-1]["comm/dp/all_reduce_bytes"] >= 2 * 4 * 4
+    # The per-head maxima cross DP once per step, 2 layers x 4 heads of fp32, and nothing else
+    # the clip does crosses DP: the same run without the clip moves exactly that much less.
+    off_dir = tmp_path / "clip_off"
+    off_dir.mkdir()
+    run_distributed(_train_worker, 2, str(off_dir), [o for o in CLIP if "qk_clip" not in o] + ["trainer.batch_size=2"])
+    unclipped = read_metrics(off_dir)
+    for key, extra in (("comm/dp/all_reduce_bytes", 2 * 4 * 4), ("comm/dp/all_reduce_calls", 1)):
+        assert parallel[-1][key] - unclipped[-1][key] == pytest.approx(extra, abs=1e-9), key
 
 
 @pytest.mark.parametrize("tp_mode", ["gather", "gram"])

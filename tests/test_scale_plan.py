@@ -66,6 +66,25 @@ def test_more_owners_than_matrices_leaves_ranks_idle_and_the_largest_matrix_sets
     assert row.ns_max == max(p.ns_flops for p in params if p.muon)
 
 
+def test_each_design_holds_its_own_zero_buffers():
+    """The ZeRO buffers a rank holds are its design's flat buffer: ours padded to whole-matrix
+    segments, the even splits padded only to a multiple of dp."""
+    cfg = model_config("gpt_tiny", 97)
+    params = local_params(cfg, 1)
+    total = sum(p.numel for p in params)
+    dp = 64  # far more ranks than matrices: our segments pad to the largest matrix
+    steps = predict(cfg, Hardware.load("h100_sxm"), dp, 1, tokens_per_step=64 * 256, seq_len=256, micro_batch=1, params=params)
+
+    def buffers(flat_elements: int) -> float:
+        return 4 * flat_elements * (1 + 2 / dp)  # the flat fp32 buffer, a segment, a send buffer
+
+    even = -(-total // dp) * dp
+    ours = design_rows(params, dp, 1)["muon-ours"].dp_bytes // 8  # two fp32 collectives
+    assert ours > even
+    for design, flat in (("adamw-zero1", even), ("moonlight", even), ("megatron-poc", even), ("muon-ours", ours)):
+        assert steps[design].memory["grads"] == pytest.approx(4 * total + buffers(flat)), design
+
+
 def saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:
     """Bytes of the distinct storages autograd saves in one bf16-autocast forward pass."""
     storages: dict[int, int] = {}
