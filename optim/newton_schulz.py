@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -365,16 +365,28 @@ def _iterate_gram(
     def apply(Q: Tensor, X: Tensor, out: Tensor | None = None) -> Tensor:
         return torch.bmm(X, Q, out=out) if tall else torch.bmm(Q, X, out=out)
 
+    Q, X = gram_segments(X, coeffs, gram, apply)
+    return apply(Q, X, out=final)
+
+
+def gram_segments(
+    X: Tensor, coeffs: Sequence[Coefficient], gram: Callable[[Tensor], Tensor],
+    apply: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """The Gram iteration with its restarts, shared by the whole-matrix and the TP-sharded
+    paths: `gram(X)` forms R (all-reduced, for shards), `apply(Q, X)` multiplies X by Q from
+    R's side. Returns the last segment's (Q, X), Q not yet applied, so that the caller can
+    write the product where it wants."""
     R, Q = gram(X), None
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
         Z = gram_polynomial(R, a, b, c)
-        Q = Z if Q is None else torch.bmm(Z, Q)
+        Q = Z if Q is None else Z @ Q  # Z and Q are polynomials in R: they commute
         if i == last:
             break
         if i + 1 in GRAM_RESTART_AFTER:
             X = apply(Q, X)
             R, Q = gram(X), None
         else:
-            R = torch.bmm(torch.bmm(Z, R), Z)
-    return apply(Q, X, out=final)
+            R = Z @ R @ Z
+    return Q, X

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from model.comm import Group, all_reduce
-from optim.newton_schulz import GRAM_RESTART_AFTER, NORM_SAFETY, coefficients_for, gram_pays, gram_polynomial
+from optim.newton_schulz import NORM_SAFETY, coefficients_for, gram_pays, gram_segments
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -71,16 +71,5 @@ def _gram_sharded(X: Tensor, split: int, group: Group, coeffs, dtype: torch.dtyp
     def apply(Q: Tensor, X: Tensor) -> Tensor:
         return X @ Q if split == 0 else Q @ X
 
-    R, Q = reduced_gram(X), None
-    last = len(coeffs) - 1
-    for i, (a, b, c) in enumerate(coeffs):
-        Z = gram_polynomial(R, a, b, c)
-        Q = Z if Q is None else Z @ Q  # Z and Q commute: the order is free
-        if i == last:
-            break
-        if i + 1 in GRAM_RESTART_AFTER:
-            X = apply(Q, X)
-            R, Q = reduced_gram(X), None
-        else:
-            R = Z @ R @ Z
+    Q, X = gram_segments(X, coeffs, reduced_gram, apply)
     return apply(Q, X)
