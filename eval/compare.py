@@ -8,6 +8,7 @@ heavy smoothing (alpha 0.005) was seen to hide the real curves.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ import yaml
 from trainer.run_env import read_environment, summary_line
 
 Series = tuple[list[int], list[float]]
+
+# What a run logs; a committed run record (eval/run_records.py) holds the same bytes gzipped.
+METRICS = "metrics.jsonl"
+RECORDED_METRICS = "metrics.jsonl.gz"
 
 
 @dataclass
@@ -71,7 +76,9 @@ def _read_jsonl(path: Path) -> dict[str, Series]:
     after the checkpoint it resumed from; the later record of a step wins, as it is the one
     the run continued from."""
     by_step: dict[str, dict[int, float]] = {}
-    for line in path.read_text().splitlines():
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8")
+    for line in text.splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
@@ -92,13 +99,16 @@ def _read_tensorboard(path: Path) -> dict[str, Series]:
 
 
 def load_run(path: Path) -> Run:
-    """A run dir: metrics.jsonl if present, else the TensorBoard events under tb/."""
-    if (path / "metrics.jsonl").exists():
-        series = _read_jsonl(path / "metrics.jsonl")
+    """A run dir: metrics.jsonl if present (or its run record's metrics.jsonl.gz), else the
+    TensorBoard events under tb/."""
+    if (path / METRICS).exists():
+        series = _read_jsonl(path / METRICS)
+    elif (path / RECORDED_METRICS).exists():
+        series = _read_jsonl(path / RECORDED_METRICS)
     elif (path / "tb").is_dir():
         series = _read_tensorboard(path / "tb")
     else:
-        raise FileNotFoundError(f"{path}: no metrics.jsonl or tb/ in this run dir")
+        raise FileNotFoundError(f"{path}: no {METRICS}, {RECORDED_METRICS} or tb/ in this run dir")
     config_file = path / ".hydra" / "config.yaml"
     config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
     optim = config.get("optim", {})
@@ -151,13 +161,16 @@ def mixed_corpora(runs: list[Run]) -> Optional[str]:
 
 
 def find_runs(path: Path) -> list[Path]:
-    """The run dirs at or below `path` (a single run, or a sweep dir of runs)."""
-    if (path / "metrics.jsonl").exists() or (path / "tb").is_dir():
+    """The run dirs (or run records) at or below `path` (a single run, or a sweep dir of runs)."""
+    def is_run(p: Path) -> bool:
+        return (p / METRICS).exists() or (p / RECORDED_METRICS).exists() or (p / "tb").is_dir()
+
+    if is_run(path):
         return [path]
-    found = {p.parent for p in path.rglob("metrics.jsonl")}
+    found = {p.parent for name in (METRICS, RECORDED_METRICS) for p in path.rglob(name)}
     found |= {p.parent for p in path.rglob("tb") if p.is_dir()}
     if not found:
-        raise FileNotFoundError(f"{path}: no runs (metrics.jsonl or tb/) found here or below")
+        raise FileNotFoundError(f"{path}: no runs ({METRICS}, {RECORDED_METRICS} or tb/) found here or below")
     return sorted(found)
 
 

@@ -1,0 +1,42 @@
+"""Record finished runs for committing: what compare_runs.py reads, in a few tens of KB a run.
+
+    python scripts/record_runs.py outputs/reference/adamw outputs/reference/muon --into docs/results/runs/dense
+    python scripts/compare_runs.py docs/results/runs/dense/adamw docs/results/runs/dense/muon
+
+Each SOURCE is a run dir or a sweep dir; every run below it goes to INTO/<SOURCE's name>/<its
+path below SOURCE>, with its metrics.jsonl gzipped (the same bytes once decompressed), its
+Hydra config and overrides, resolved_config.yaml and environment.json. compare_runs.py reads a
+record as it reads the run dir, so the published figures can be made again after the run dirs
+are gone. Unfinished runs, runs without a config, and existing records (without --replace) are
+refused in one line before anything is written (eval/run_records.py).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eval.run_records import RecordError, plan_records, write_record  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sources", nargs="+", type=Path, help="run dirs or sweep dirs")
+    parser.add_argument("--into", type=Path, required=True, help="the folder the records go to")
+    parser.add_argument("--replace", action="store_true", help="overwrite records that already exist")
+    args = parser.parse_args()
+    try:
+        planned = plan_records(args.sources, args.into, args.replace)
+    except (RecordError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    for p in planned:
+        record = write_record(p.run_dir, p.record_dir)
+        size = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())
+        print(f"recorded {p.run_dir} -> {record} ({size / 1024:.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()
