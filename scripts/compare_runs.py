@@ -298,6 +298,29 @@ def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[s
     return lines + [""]
 
 
+def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinished: list[str], out: Path,
+                     allow_mixed: bool) -> None:
+    """summary.md for runs of a single optimizer: the corpus, every run's final losses with
+    the best lr marked (per schedule length when the lengths differ), and what was left out."""
+    mixed = mixed_corpora(runs)
+    if mixed and not allow_mixed:
+        sys.exit(f"error: {mixed}; pass --allow-mixed-corpora to compare them anyway")
+    lengths = {arm.final_step(BEST_KEY) for arm in arms}
+    corpus = f"**Mixed corpora (--allow-mixed-corpora): {mixed}.**" if mixed else f"Corpus: {runs[0].corpus} (every run)"
+    report = ["## Runs", "", corpus, ""]
+    report += [f"- {run.describe()}" for run in runs] + [""]
+    if unfinished:
+        report += ["Not compared, unfinished (fewer steps logged than trainer.max_steps):", ""]
+        report += [f"- {reason}" for reason in unfinished] + [""]
+    report += [f"## Sweep of {best[0].optimizer}: final losses of every run (one optimizer, nothing to compare)", ""]
+    report += sweep_table(arms, best_per_length(arms) if len(lengths) > 1 else best, eval_keys(runs),
+                          with_steps=len(lengths) > 1) + [""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text("\n".join(report))
+    print("\n".join(report))
+    print(f"wrote {out / 'summary.md'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
@@ -323,6 +346,11 @@ def main() -> None:
         sys.exit(f"error: {err}")
     swept = len(loaded) > len(args.runs)
     selected = best_per_optimizer(arms, BEST_KEY) if swept else arms
+    if len(selected) < 2 and swept and not longer:
+        # An lr sweep of one optimizer (tuning it alone, or at one longer schedule): its table
+        # is the result, and there is no second optimizer to compare it with.
+        write_sweep_only(arms, selected, loaded, unfinished, args.out, args.allow_mixed_corpora)
+        return
     if len(selected) < 2:
         sys.exit(f"error: need two runs to compare, found {[r.label for r in selected]}")
     a, b, rest = pick_pair(selected)

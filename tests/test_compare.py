@@ -294,3 +294,26 @@ def test_a_qk_clip_run_is_labelled_with_its_tau_and_kept_apart_from_the_unclippe
     off, on = load_run(tmp_path / "off"), load_run(tmp_path / "on")
     assert (off.label, on.label) == ("muon lr=0.03", "muon lr=0.03 qk_clip tau=30")
     assert [arm.label for arm in group_arms([off, on])] == [off.label, on.label]
+
+
+def test_a_sweep_of_one_optimizer_gets_its_table_with_the_best_lr_per_length(tmp_path):
+    """Tuning one optimizer alone (AdamW's lr at a longer schedule): nothing to compare, but the
+    table of finals is the result, with the best lr at each length marked."""
+    def curve(scale: float, steps: int) -> list[float]:
+        return [scale * 10.0 / s for s in range(1, steps + 1)]
+
+    for lr, scale in ((7e-4, 1.2), (1e-3, 1.0), (1.4e-3, 1.1)):
+        write_run(tmp_path / "sweep" / f"{lr:g}_40", "adamw", lr, curve(scale, 40), corpus="c0ffee")
+    write_run(tmp_path / "sweep" / "7e-4_80", "adamw", 7e-4, curve(0.9, 80), corpus="c0ffee")
+    write_run(tmp_path / "sweep" / "1e-3_80", "adamw", 1e-3, curve(1.05, 80), corpus="c0ffee")
+    proc = compare(tmp_path, str(tmp_path / "sweep"))
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.replace(" ", "") for line in proc.stdout.splitlines() if line.startswith("| adamw")]
+    assert rows == [
+        "|adamw|40|0.0007|0.4000|1.3000|", "|adamw(best)|40|0.001|0.3500|1.2500|", "|adamw|40|0.0014|0.3750|1.2750|",
+        "|adamw(best)|80|0.0007|0.2125|1.1125|", "|adamw|80|0.001|0.2313|1.1313|",
+    ]
+    assert "Corpus: c0ffee (every run)" in (tmp_path / "cmp" / "summary.md").read_text()
+    (tmp_path / "sweep" / "1e-3_80" / "environment.json").write_text('{"corpus": {"id": "beef"}}')
+    proc = compare(tmp_path, str(tmp_path / "sweep"))
+    assert proc.returncode != 0 and "runs trained on different corpora" in proc.stderr.strip().splitlines()[-1]
