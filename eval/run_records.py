@@ -43,7 +43,8 @@ def compress(data: bytes) -> bytes:
 def plan_records(sources: list[Path], into: Path, replace: bool = False) -> list[PlannedRecord]:
     """Where each run found under `sources` goes: into/<source name>/<its path below the source>.
     Every check is made here, before anything is written: each run must be finished and have its
-    config, and no existing record is overwritten unless `replace`."""
+    config, and no existing record is overwritten unless `replace`. A run whose record is already
+    there, byte for byte, is left out, so a sweep can be recorded again as more of it finishes."""
     planned: list[PlannedRecord] = []
     for source in sources:
         for run_dir in find_runs(source):
@@ -56,12 +57,29 @@ def plan_records(sources: list[Path], into: Path, replace: bool = False) -> list
                 raise RecordError(f"not recorded, unfinished: {unfinished}")
             record_dir = into / source.name / run_dir.relative_to(source)
             if record_dir.exists() and not replace:
-                raise RecordError(f"{record_dir} already holds a record (--replace overwrites it)")
+                if holds_record_of(record_dir, run_dir):
+                    continue  # recorded before: a sweep is recorded as its runs finish
+                raise RecordError(f"{record_dir} already holds the record of another run (--replace overwrites it)")
             planned.append(PlannedRecord(run_dir, record_dir))
     targets = [p.record_dir for p in planned]
     if len(set(targets)) != len(targets):
         raise RecordError(f"two sources have the same name, so their records would collide in {into}")
     return planned
+
+
+def record_files(run_dir: Path) -> dict[str, bytes]:
+    """A run's record, as file name -> bytes."""
+    files = {RECORDED_METRICS: compress((run_dir / METRICS).read_bytes())}
+    files.update({name: (run_dir / name).read_bytes() for name in (CONFIG, *OPTIONAL_FILES)
+                  if (run_dir / name).is_file()})
+    return files
+
+
+def holds_record_of(record_dir: Path, run_dir: Path) -> bool:
+    """Whether `record_dir` already holds exactly the record `run_dir` would make."""
+    existing = {p.relative_to(record_dir).as_posix() for p in record_dir.rglob("*") if p.is_file()}
+    files = record_files(run_dir)
+    return existing == set(files) and all((record_dir / n).read_bytes() == b for n, b in files.items())
 
 
 def write_record(run_dir: Path, record_dir: Path) -> Path:
@@ -71,11 +89,9 @@ def write_record(run_dir: Path, record_dir: Path) -> Path:
     record_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=record_dir.parent, prefix=f".{record_dir.name}."))
     try:
-        (staging / RECORDED_METRICS).write_bytes(compress((run_dir / METRICS).read_bytes()))
-        for name in (CONFIG, *OPTIONAL_FILES):
-            if (run_dir / name).is_file():
-                (staging / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(run_dir / name, staging / name)
+        for name, data in record_files(run_dir).items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
         os.chmod(staging, 0o755)  # mkdtemp makes it private; a record is read like any file
         if record_dir.exists():
             old = Path(tempfile.mkdtemp(dir=record_dir.parent, prefix=f".{record_dir.name}.old."))

@@ -7,8 +7,9 @@ Each SOURCE is a run dir or a sweep dir; every run below it goes to INTO/<SOURCE
 path below SOURCE>, with its metrics.jsonl gzipped (the same bytes once decompressed), its
 Hydra config and overrides, resolved_config.yaml and environment.json. compare_runs.py reads a
 record as it reads the run dir, so the published figures can be made again after the run dirs
-are gone. Unfinished runs, runs without a config, and existing records (without --replace) are
-refused in one line before anything is written (eval/run_records.py).
+are gone. Unfinished runs, runs without a config, and records already there with other contents
+(without --replace) are refused in one line before anything is written; runs already recorded
+byte for byte are skipped, so a sweep can be recorded again as it finishes (eval/run_records.py).
 """
 from __future__ import annotations
 

@@ -59,6 +59,15 @@ def test_compare_runs_reads_records_exactly_as_the_run_dirs(tmp_path):
     assert (loaded.seed, loaded.lr, loaded.corpus, loaded.optimizer) == (1, 1e-2, "c0ffee", "muon")
 
 
+def test_a_sweep_is_recorded_again_as_more_of_it_finishes(tmp_path):
+    runs, records = tmp_path / "runs", tmp_path / "records"
+    write_run(runs / "sweep" / "seed0", "adamw", 1e-3, curve(1.0, 10))
+    assert [p.name for p in record_runs([runs / "sweep"], records)] == ["seed0"]
+    write_run(runs / "sweep" / "seed1", "adamw", 1e-3, curve(1.1, 10))
+    assert [p.name for p in record_runs([runs / "sweep"], records)] == ["seed1"]
+    assert sorted(p.name for p in (records / "sweep").iterdir()) == ["seed0", "seed1"]
+
+
 def test_recording_twice_gives_the_same_bytes(tmp_path):
     write_protocol(tmp_path / "runs")
     first = tmp_path / "first"
@@ -87,9 +96,10 @@ def test_an_existing_record_is_kept_unless_replaced(tmp_path):
     runs, records = tmp_path / "runs", tmp_path / "records"
     write_run(runs / "adamw", "adamw", 1e-3, curve(1.0, 10))
     record_runs([runs / "adamw"], records)
-    with pytest.raises(RecordError, match="already holds a record"):
-        plan_records([runs / "adamw"], records)
+    assert plan_records([runs / "adamw"], records) == []  # the same record: nothing to do
     (runs / "adamw" / "metrics.jsonl").write_text('{"step": 1, "tokens": 1, "train/loss": 1.5}\n')
+    with pytest.raises(RecordError, match="already holds the record of another run"):
+        plan_records([runs / "adamw"], records)
     record_runs([runs / "adamw"], records, replace=True)
     assert load_run(records / "adamw").series["train/loss"] == ([1], [1.5])
     assert [p.name for p in records.iterdir()] == ["adamw"]  # no staging or old copy left behind
