@@ -40,11 +40,13 @@ def compress(data: bytes) -> bytes:
     return gzip.compress(data, compresslevel=9, mtime=0)
 
 
-def plan_records(sources: list[Path], into: Path, replace: bool = False) -> list[PlannedRecord]:
+def plan_records(sources: list[Path], into: Path, replace: bool = False,
+                 skip_unfinished: bool = False) -> list[PlannedRecord]:
     """Where each run found under `sources` goes: into/<source name>/<its path below the source>.
     Every check is made here, before anything is written: each run must be finished and have its
     config, and no existing record is overwritten unless `replace`. A run whose record is already
-    there, byte for byte, is left out, so a sweep can be recorded again as more of it finishes."""
+    there, byte for byte, is left out, so a sweep can be recorded again as more of it finishes;
+    with `skip_unfinished`, so are the runs still going."""
     planned: list[PlannedRecord] = []
     for source in sources:
         for run_dir in find_runs(source):
@@ -53,6 +55,8 @@ def plan_records(sources: list[Path], into: Path, replace: bool = False) -> list
             if not (run_dir / CONFIG).is_file():
                 raise RecordError(f"{run_dir}: no {CONFIG}; without it a record has no lr, seed or length")
             unfinished = load_run(run_dir).unfinished()
+            if unfinished and skip_unfinished:
+                continue  # still going: recorded on a later call, once it has finished
             if unfinished:
                 raise RecordError(f"not recorded, unfinished: {unfinished}")
             record_dir = into / source.name / run_dir.relative_to(source)
@@ -106,6 +110,6 @@ def write_record(run_dir: Path, record_dir: Path) -> Path:
     return record_dir
 
 
-def record_runs(sources: list[Path], into: Path, replace: bool = False) -> list[Path]:
+def record_runs(sources: list[Path], into: Path, replace: bool = False, skip_unfinished: bool = False) -> list[Path]:
     """Record every finished run under `sources` into `into`; see plan_records for the checks."""
-    return [write_record(p.run_dir, p.record_dir) for p in plan_records(sources, into, replace)]
+    return [write_record(p.run_dir, p.record_dir) for p in plan_records(sources, into, replace, skip_unfinished)]

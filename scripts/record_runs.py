@@ -9,7 +9,8 @@ Hydra config and overrides, resolved_config.yaml and environment.json. compare_r
 record as it reads the run dir, so the published figures can be made again after the run dirs
 are gone. Unfinished runs, runs without a config, and records already there with other contents
 (without --replace) are refused in one line before anything is written; runs already recorded
-byte for byte are skipped, so a sweep can be recorded again as it finishes (eval/run_records.py).
+byte for byte are skipped, so a sweep can be recorded again as it finishes; --skip-unfinished
+leaves out its runs still going instead of refusing them (eval/run_records.py).
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ def main() -> None:
     parser.add_argument("sources", nargs="+", type=Path, help="run dirs or sweep dirs")
     parser.add_argument("--into", type=Path, required=True, help="the folder the records go to")
     parser.add_argument("--replace", action="store_true", help="overwrite records that already exist")
+    parser.add_argument("--skip-unfinished", action="store_true",
+                        help="leave out runs still going (record the sweep again when they finish)")
     args = parser.parse_args()
     try:
-        planned = plan_records(args.sources, args.into, args.replace)
+        planned = plan_records(args.sources, args.into, args.replace, args.skip_unfinished)
     except (RecordError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     for p in planned:

@@ -87,6 +87,7 @@ def test_unfinished_runs_and_runs_without_a_config_are_refused_before_anything_i
     with pytest.raises(RecordError, match=r"unfinished: .*going logged up to step 10 of its 20"):
         record_runs([runs], tmp_path / "records")
     assert not (tmp_path / "records").exists()
+    assert [p.name for p in record_runs([runs], tmp_path / "records", skip_unfinished=True)] == ["done"]
     (runs / "going" / ".hydra" / "config.yaml").unlink()
     with pytest.raises(RecordError, match=r"going: no \.hydra/config\.yaml"):
         record_runs([runs], tmp_path / "records")
