@@ -36,7 +36,7 @@ from eval.compare import (  # noqa: E402
     Run, best_per_optimizer, ewm, find_runs, leading_steps, load_run, mixed_corpora,
 )
 from eval.seeds import (  # noqa: E402
-    Arm, group_arms, in_run_ratio_over_seeds, schedule_ratio_over_seeds,
+    Arm, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
 
 BEST_KEY = "val/val/loss"
@@ -260,19 +260,48 @@ def pick_pair(selected: list[Arm]) -> tuple[Arm, Arm, list[Arm]]:
     return a, b, rest
 
 
+def plain_base(arm: Arm, arms: list[Arm]) -> Arm | None:
+    """The plain setting of `arm`'s family among `arms` ("muon" for "muon+normuon"); None for a
+    plain setting itself, or when its family's plain setting did not run."""
+    family = arm.optimizer.split("+")[0]
+    if arm.optimizer == family:
+        return None
+    return next((x for x in arms if x.optimizer == family), None)
+
+
+def fmt_difference(est) -> str:
+    """`-0.0727 ± 0.0100 (95% CI -0.116 to -0.030)`: a paired difference with its interval."""
+    if est is None:
+        return "-"
+    text = f"{est.mean:+.4f}"
+    if est.se is not None:
+        text += f" ± {est.se:.4f}"
+        if est.half_width_95 is not None:
+            text += f" (95% CI {est.mean - est.half_width_95:+.3f} to {est.mean + est.half_width_95:+.3f})"
+    return text
+
+
 def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: list[str]) -> list[str]:
-    """Every optimizer setting at its best lr: final losses (mean +- se over seeds) and, with
-    B's longer schedules, the schedule ratio B needs to reach each setting's final loss."""
+    """Every optimizer setting at its best lr: final losses (mean +- se over seeds); for each
+    variant, its difference from the plain setting of its family, paired by seed; and, with B's
+    longer schedules, the schedule ratio B needs to reach each setting's final loss."""
     keys = [k for k in keys if k != "train/loss"] or keys
+    arms = [a, b, *rest]
+    paired = any(plain_base(arm, arms) is not None for arm in arms)
     head = ["setting", "lr", "seeds"] + [f"final {k}" for k in keys]
+    if paired:
+        head += [f"vs plain, paired by seed, {k}" for k in keys]
     lengths = schedule_lengths(a, arms_b) if arms_b else []
     if lengths:
         head += [f"schedule ratio, {k}" for k in keys]
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:]) + " |"]
-    for arm in [a, b, *rest]:
+    for arm in arms:
         cells = [arm.optimizer + (" (A)" if arm is a else " (B)" if arm is b else ""),
                  "-" if arm.lr is None else f"{arm.lr:g}", ",".join(str(x) for x in arm.seeds)]
         cells += [fmt_estimate(arm.final_estimate(k)) for k in keys]
+        if paired:
+            base = plain_base(arm, arms)
+            cells += ["-" if base is None else fmt_difference(paired_difference(arm, base, k)) for k in keys]
         if lengths:
             for key in keys:
                 target, finals = arm.final_estimate(key), [x.final_estimate(key) for x in arms_b]

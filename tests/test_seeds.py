@@ -9,7 +9,8 @@ import pytest
 
 from eval.compare import Run, load_run, schedule_ratio
 from eval.seeds import (
-    Estimate, estimate, group_arms, in_run_ratio_over_seeds, schedule_ratio_over_seeds, seed_pairs, t_975,
+    Estimate, estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
+    seed_pairs, t_975,
 )
 from tests.test_compare import compare, write_run
 
@@ -164,3 +165,36 @@ def test_cli_refuses_a_repeated_seed_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1
     assert lines[0].startswith("error: runs ") and "same settings and seed 0" in lines[0]
+
+
+def test_a_variant_is_compared_with_its_plain_setting_within_each_seed(tmp_path):
+    """Seeds move both settings' losses alike (c), the variant is lower by d_s per seed: the
+    paired difference is the mean and standard error of the d_s, free of c's spread, and its
+    row in the settings table says so; plain settings get no difference."""
+    d = {0: -0.05, 1: -0.08, 2: -0.02}
+    for seed, c in ((0, 3.0), (1, 3.5), (2, 2.6)):
+        write_run(tmp_path / "muon" / str(seed), "muon", 1e-2, [c + 1, c], seed=seed)
+        write_run(tmp_path / "adamw" / str(seed), "adamw", 1e-3, [c + 2, c + 0.5], seed=seed)
+        write_run(tmp_path / "normuon" / str(seed), "muon", 1e-2, [c + 1, c + d[seed]], seed=seed)
+        config = tmp_path / "normuon" / str(seed) / ".hydra" / "config.yaml"
+        config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+    write_run(tmp_path / "normuon" / "9", "muon", 1e-2, [9.0, 9.0], seed=9)  # no partner: left out
+    config = tmp_path / "normuon" / "9" / ".hydra" / "config.yaml"
+    config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+    arms = group_arms([load_run(p) for p in sorted(tmp_path.glob("*/*"))])
+    normuon = next(arm for arm in arms if arm.optimizer == "muon+normuon")
+    plain = next(arm for arm in arms if arm.optimizer == "muon")
+    diff = paired_difference(normuon, plain, "train/loss")
+    assert diff.n == 3 and diff.mean == pytest.approx(statistics.fmean(d.values()), abs=1e-12)
+    assert diff.se == pytest.approx(statistics.stdev(d.values()) / math.sqrt(3), abs=1e-12)
+    assert paired_difference(plain, group_arms([load_run(tmp_path / "normuon" / "9")])[0], "train/loss") is None
+
+    (tmp_path / "normuon" / "9").rename(tmp_path / "unpaired")
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), str(tmp_path / "normuon"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| muon")
+            or line.startswith("| adamw")}
+    half = t_975(2) * diff.se
+    expected = f"{diff.mean:+.4f} ± {diff.se:.4f} (95% CI {diff.mean - half:+.3f} to {diff.mean + half:+.3f})"
+    assert expected in rows["muon+normuon"]
+    assert rows["muon (A)"].count(" - ") >= 1 and "95% CI" not in rows["muon (A)"]
