@@ -60,11 +60,14 @@ class Run:
     def unfinished(self) -> Optional[str]:
         """Why the run cannot count as finished: it logged fewer steps than its
         trainer.max_steps (still running, killed, or stopped by divergence). None otherwise,
-        or when its config does not say how long it was meant to be."""
+        or when its config does not say how long it was meant to be. A run that has logged no
+        training step yet (just started) is unfinished too."""
         planned = self.config.get("trainer", {}).get("max_steps")
         last = final_step(self, "train/loss")
-        if planned is None or last is None or last >= int(planned):
+        if planned is None or (last is not None and last >= int(planned)):
             return None
+        if last is None:
+            return f"{self.path} logged no training step yet of its {planned}"
         return f"{self.path} logged up to step {last} of its {planned}"
 
     def final(self, key: str) -> Optional[float]:

@@ -88,6 +88,13 @@ def test_unfinished_runs_and_runs_without_a_config_are_refused_before_anything_i
         record_runs([runs], tmp_path / "records")
     assert not (tmp_path / "records").exists()
     assert [p.name for p in record_runs([runs], tmp_path / "records", skip_unfinished=True)] == ["done"]
+    # Just started: its config is written and its metrics.jsonl is still empty.
+    (runs / "starting" / ".hydra").mkdir(parents=True)
+    (runs / "starting" / ".hydra" / "config.yaml").write_text("optim:\n  name: adamw\ntrainer:\n  max_steps: 20\n")
+    (runs / "starting" / "metrics.jsonl").write_text("")
+    with pytest.raises(RecordError, match=r"unfinished: .*starting logged no training step yet of its 20"):
+        plan_records([runs / "starting"], tmp_path / "records")
+    assert plan_records([runs / "starting"], tmp_path / "records", skip_unfinished=True) == []
     (runs / "going" / ".hydra" / "config.yaml").unlink()
     with pytest.raises(RecordError, match=r"going: no \.hydra/config\.yaml"):
         record_runs([runs], tmp_path / "records")
