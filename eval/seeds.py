@@ -241,13 +241,7 @@ def paired_difference(arm: Arm, base: Arm, key: str) -> Optional[Estimate]:
     so most of the seed noise cancels in the difference: two Muon variants a few hundredths of
     a nat apart can be told apart where their unpaired intervals overlap. None when the two
     share no seed (pairing runs of different seeds would cancel nothing)."""
-    base_by_seed = {run.seed: run for run in base.runs if run.seed is not None}
-    differences = []
-    for run in arm.runs:
-        partner = base_by_seed.get(run.seed)
-        if partner is None:
-            continue
-        value, reference = run.final(key), partner.final(key)
-        if value is not None and reference is not None:
-            differences.append(value - reference)
-    return estimate(differences)
+    pairs = [(run, partner) for run, partner in seed_pairs(arm, base)
+             if run.seed is not None and run.seed == partner.seed]  # not seed_pairs' fallback
+    finals = [(run.final(key), partner.final(key)) for run, partner in pairs]
+    return estimate([value - reference for value, reference in finals if value is not None and reference is not None])

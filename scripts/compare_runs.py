@@ -242,13 +242,15 @@ def honest_table(a: Arm, arms_b: list[Arm], keys: list[str]) -> list[str]:
     return lines + ["", f"B's lr at each length: {lrs}"]
 
 
+def family(arm: Arm) -> str:
+    """The base optimizer of a setting: "muon" for "muon+normuon"."""
+    return arm.optimizer.split("+")[0]
+
+
 def pick_pair(selected: list[Arm]) -> tuple[Arm, Arm, list[Arm]]:
     """A (plain Muon, else a Muon variant), B (plain AdamW, else an AdamW variant) and the other
     settings. Without both families, the first two of: the Muon settings (plain first), the
     AdamW settings (plain first), any others."""
-    def family(arm: Arm) -> str:
-        return arm.optimizer.split("+")[0]
-
     def order(arm: Arm) -> tuple[int, int, str]:
         return ({"muon": 0, "adamw": 1}.get(family(arm), 2), 0 if arm.optimizer == family(arm) else 1, arm.optimizer)
 
@@ -263,10 +265,9 @@ def pick_pair(selected: list[Arm]) -> tuple[Arm, Arm, list[Arm]]:
 def plain_base(arm: Arm, arms: list[Arm]) -> Arm | None:
     """The plain setting of `arm`'s family among `arms` ("muon" for "muon+normuon"); None for a
     plain setting itself, or when its family's plain setting did not run."""
-    family = arm.optimizer.split("+")[0]
-    if arm.optimizer == family:
+    if arm.optimizer == family(arm):
         return None
-    return next((x for x in arms if x.optimizer == family), None)
+    return next((x for x in arms if x.optimizer == family(arm)), None)
 
 
 def fmt_difference(est) -> str:
