@@ -37,26 +37,35 @@ def batches(n_steps: int, global_batch: int):
     return [torch.randint(0, VOCAB, (global_batch, 13), generator=gen) for _ in range(n_steps)]
 
 
-def train(model, opt, data, dp_rank: int, dp: int) -> None:
+def train(model, opt, data, dp_rank: int, dp: int, before_step: Callable[[], object] | None = None) -> None:
     per_rank = data[0].shape[0] // dp
     for rows in data:
         mine = rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         model(mine[:, :-1], mine[:, 1:]).backward()
         opt.prepare_grads(1.0)
+        if before_step is not None:
+            before_step()
         opt.step()
         opt.zero_grad()
 
 
 def trained_pair(cfg: OptimConfig, tp: int, model_cfg: ModelConfig = CFG, global_batch: int | None = None,
-                 after_reference: Callable[[], object] | None = None):
+                 after_reference: Callable[[], object] | None = None,
+                 reference_weights: list[dict[str, torch.Tensor]] | None = None):
     """(mesh, the DP x TP model, its single-process reference, as full tensors by name) after
     the same 5 steps from the same initial weights; `after_reference` runs between the two
-    trainings. Call on every rank."""
+    trainings, and `reference_weights`, if given, receives the reference's weights entering
+    each step. Call on every rank."""
     mesh = build_mesh(tp)
     data = batches(5, global_batch or (4 if 4 % mesh.dp == 0 else 2 * mesh.dp))
     torch.manual_seed(0)
     reference = GPT(model_cfg)
-    train(reference, build_optimizer(reference, cfg, model_cfg, Mesh()), data, 0, 1)
+
+    def record() -> None:
+        if reference_weights is not None:
+            reference_weights.append({n: p.detach().clone() for n, p in reference.named_parameters()})
+
+    train(reference, build_optimizer(reference, cfg, model_cfg, Mesh()), data, 0, 1, record)
     if after_reference is not None:
         after_reference()
     torch.manual_seed(0)
