@@ -104,6 +104,13 @@ class Arm:
     def final_estimate(self, key: str) -> Optional[Estimate]:
         return estimate([v for v in (run.final(key) for run in self.runs) if v is not None])
 
+    def median_estimate(self, key: str) -> Optional[Estimate]:
+        """Each seed's median of `key` over its logged steps but the first, which carries
+        compilation and warm-up, then mean +- se over the seeds: what a step of the setting
+        costs (perf/step_s, perf/optim_step_s), robust to a stall at one logged step."""
+        return estimate([statistics.median(run.series[key][1][1:]) for run in self.runs
+                         if key in run.series and len(run.series[key][1]) > 1])
+
     def final(self, key: str) -> Optional[float]:
         """The mean final value over the seeds: what the best lr is chosen by."""
         est = self.final_estimate(key)

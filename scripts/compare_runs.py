@@ -83,6 +83,19 @@ def plot_curve(ax, arm: Arm, key: str, curve_of=None) -> None:
                         color=line.get_color(), alpha=0.25, lw=0)
 
 
+def add_legend(fig, axes, n_arms: int) -> None:
+    """Up to three arms: a legend in each panel. More (a sweep of settings) would cover the
+    curves, so one legend for the figure goes below it, and savefig must be told to keep it
+    (bbox_inches="tight")."""
+    if n_arms <= 3:
+        for ax in axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+        return
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(3, n_arms), frameon=False)
+
+
 def plot_losses(arms: list[Arm], keys: list[str], alpha: float, out: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
@@ -91,11 +104,11 @@ def plot_losses(arms: list[Arm], keys: list[str], alpha: float, out: Path) -> Pa
             plot_curve(ax, arm, key, smoothing(alpha))
         ax.set_title(key + (f" (EWM alpha={alpha})" if key == "train/loss" else ""))
         ax.set_xlabel("step")
-        ax.legend()
+    add_legend(fig, list(axes[0]), len(arms))
     if any(len(arm.runs) > 1 for arm in arms):
         fig.suptitle("mean over seeds, band +- one standard error")
     fig.tight_layout()
-    fig.savefig(out / "losses.png", dpi=80)
+    fig.savefig(out / "losses.png", dpi=80, bbox_inches="tight")
     plt.close(fig)
     return out / "losses.png"
 
@@ -141,10 +154,10 @@ def plot_family(arms: list[Arm], prefix: str, title: str, out: Path, name: str) 
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend()
+    add_legend(fig, [axes.flat[0]], len(arms))
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out / name, dpi=80)
+    fig.savefig(out / name, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return out / name
 
@@ -282,10 +295,16 @@ def fmt_difference(est) -> str:
     return text
 
 
+# What a step of each setting costs, in seconds: the whole step and the optimizer's part. Only
+# comparable between runs on one machine, one job at a time or equally loaded.
+STEP_COSTS = ("perf/step_s", "perf/optim_step_s")
+
+
 def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: list[str]) -> list[str]:
     """Every optimizer setting at its best lr: final losses (mean +- se over seeds); for each
-    variant, its difference from the plain setting of its family, paired by seed; and, with B's
-    longer schedules, the schedule ratio B needs to reach each setting's final loss."""
+    variant, its difference from the plain setting of its family, paired by seed; with B's
+    longer schedules, the schedule ratio B needs to reach each setting's final loss; and, where
+    the runs logged them, the median step and optimizer-step times."""
     keys = [k for k in keys if k != "train/loss"] or keys
     arms = [a, b, *rest]
     paired = any(plain_base(arm, arms) is not None for arm in arms)
@@ -295,6 +314,8 @@ def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: lis
     lengths = schedule_lengths(a, arms_b) if arms_b else []
     if lengths:
         head += [f"schedule ratio, {k}" for k in keys]
+    costs = [k for k in STEP_COSTS if any(k in run.series for arm in arms for run in arm.runs)]
+    head += [f"median {k}" for k in costs]
     lines = ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:]) + " |"]
     for arm in arms:
         cells = [arm.optimizer + (" (A)" if arm is a else " (B)" if arm is b else ""),
@@ -308,6 +329,7 @@ def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: lis
                 target, finals = arm.final_estimate(key), [x.final_estimate(key) for x in arms_b]
                 cells.append("-" if arm is b or target is None or None in finals
                              else ratio_cell(target, lengths, finals))
+        cells += [fmt_estimate(arm.median_estimate(k), ".3f") for k in costs]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

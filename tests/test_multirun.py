@@ -377,3 +377,8 @@ def test_the_muon_family_sweep_runs_every_setting_and_compare_runs_gives_each_a_
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert rows == ["muon (A)", "adamw (B)", "adamw+cautious_wd", "muon+cautious_wd",
                     "muon+normuon", "muon+normuon+cautious_wd+gram_ns"]
+    # what each setting's optimizer step cost, from the times every run logs
+    header = next(line for line in table.splitlines() if line.startswith("| setting"))
+    assert header.rstrip(" |").endswith("median perf/optim_step_s")
+    costs = [line.rstrip(" |").rsplit("|", 1)[1] for line in table.splitlines() if line.startswith("| ")][2:]
+    assert len(costs) == 6 and all(float(c) > 0 for c in costs), costs

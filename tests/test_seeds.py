@@ -1,6 +1,7 @@
 """Seeds: grouping runs into arms, mean +- standard error, and the errors of both ratios."""
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
@@ -198,3 +199,35 @@ def test_a_variant_is_compared_with_its_plain_setting_within_each_seed(tmp_path)
     expected = f"{diff.mean:+.4f} ± {diff.se:.4f} (95% CI {diff.mean - half:+.3f} to {diff.mean + half:+.3f})"
     assert expected in rows["muon+normuon"]
     assert rows["muon (A)"].count(" - ") >= 1 and "95% CI" not in rows["muon (A)"]
+
+
+def test_the_settings_table_gives_each_setting_its_median_step_times(tmp_path):
+    """Each seed's median over its logged steps but the first (compilation), then mean +- se
+    over the seeds; a setting whose runs logged no times gets "-"."""
+    times = {"muon": {0: [9.0, 1.0, 1.2, 1.1], 1: [9.0, 1.4, 1.3, 1.5]},
+             "adamw": {0: [5.0, 0.5, 0.7, 0.6], 1: [5.0, 0.8, 0.9, 0.7]}}
+    for name, optimizer, lr in (("muon", "muon", 1e-2), ("adamw", "adamw", 1e-3), ("normuon", "muon", 1e-2)):
+        for seed in (0, 1):
+            path = tmp_path / name / str(seed)
+            write_run(path, optimizer, lr, [5.0, 4.0, 3.5, 3.0 + 0.1 * seed], seed=seed)
+            if name == "normuon":
+                config = path / ".hydra" / "config.yaml"
+                config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+                continue
+            records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+            for record, t in zip(records, times[name][seed]):
+                record["perf/optim_step_s"] = t
+            (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    muon = group_arms([load_run(tmp_path / "muon" / s) for s in ("0", "1")])[0]
+    cost = muon.median_estimate("perf/optim_step_s")
+    assert cost.mean == pytest.approx(1.25) and cost.se == pytest.approx(0.15)  # medians 1.1 and 1.4
+    assert muon.median_estimate("perf/step_s") is None
+
+    proc = compare(tmp_path, *(str(tmp_path / n) for n in ("muon", "adamw", "normuon")))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("## Every optimizer setting, at its best lr")[1].split("\n## ")[0].splitlines()
+    header = next(line for line in lines if line.startswith("| setting"))
+    assert header.rstrip(" |").endswith("median perf/optim_step_s") and "perf/step_s" not in header
+    rows = {line.split("|")[1].strip(): line.rstrip(" |").rsplit("|", 1)[1].strip() for line in lines
+            if line.startswith("| muon") or line.startswith("| adamw")}
+    assert rows == {"muon (A)": "1.250 ± 0.150", "adamw (B)": "0.700 ± 0.100", "muon+normuon": "-"}
