@@ -368,9 +368,11 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
     """Before: a KeyboardInterrupt traceback. A fresh data cache makes start-up long (the
     tokenizer is trained, the corpus tokenized): the signal lands in it."""
     args = [a for a in COMMON if not a.startswith("trainer.max_steps")]
+    # -X faulthandler: if the process outlives the signal, SIGABRT makes it print where every
+    # thread is, which is what a failure here must show (it hung once, on one CI run, unseen).
     proc = subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *args, "trainer.max_steps=100000",
-         f"data.cache_dir={tmp_path / 'cache'}"],
+        [sys.executable, "-X", "faulthandler", "train.py", f"hydra.run.dir={tmp_path}", *args,
+         "trainer.max_steps=100000", f"data.cache_dir={tmp_path / 'cache'}"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.time() + 120
@@ -378,8 +380,15 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 130
-    assert "Traceback" not in proc.stderr.read()
+    try:
+        # communicate, not wait: a child that goes on logging must not block on a full pipe
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, stderr = proc.communicate()
+        pytest.fail(f"still running 120 s after SIGINT; its stderr and stacks:\n{stderr[-8000:]}")
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # it never reached training
 
 
