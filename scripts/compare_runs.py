@@ -198,13 +198,15 @@ def fmt_estimate(est, spec: str = ".4f") -> str:
     return "-" if est is None else est.format(spec)
 
 
-def fmt_interval(ratio: float, se: float | None, half_width: float | None) -> str:
-    """`1.557`, or `1.557 ± 0.048 (95% CI 1.40 to 1.71)` when the seeds give an error."""
+def fmt_interval(value: float, se: float | None, half_width: float | None, spec: str = ".3f",
+                 ci_spec: str = ".2f") -> str:
+    """`1.557`, or `1.557 ± 0.048 (95% CI 1.40 to 1.71)` when the seeds give an error (the
+    standard error in `spec` without its sign)."""
     if se is None:
-        return f"{ratio:.3f}"
-    text = f"{ratio:.3f} ± {se:.3f}"
+        return format(value, spec)
+    text = f"{format(value, spec)} ± {format(se, spec.lstrip('+'))}"
     if half_width is not None:
-        text += f" (95% CI {ratio - half_width:.2f} to {ratio + half_width:.2f})"
+        text += f" (95% CI {format(value - half_width, ci_spec)} to {format(value + half_width, ci_spec)})"
     return text
 
 
@@ -285,14 +287,7 @@ def plain_base(arm: Arm, arms: list[Arm]) -> Arm | None:
 
 def fmt_difference(est) -> str:
     """`-0.0727 ± 0.0100 (95% CI -0.116 to -0.030)`: a paired difference with its interval."""
-    if est is None:
-        return "-"
-    text = f"{est.mean:+.4f}"
-    if est.se is not None:
-        text += f" ± {est.se:.4f}"
-        if est.half_width_95 is not None:
-            text += f" (95% CI {est.mean - est.half_width_95:+.3f} to {est.mean + est.half_width_95:+.3f})"
-    return text
+    return "-" if est is None else fmt_interval(est.mean, est.se, est.half_width_95, "+.4f", "+.3f")
 
 
 # What a step of each setting costs, in seconds: the whole step and the optimizer's part. Only

@@ -168,6 +168,11 @@ def test_cli_refuses_a_repeated_seed_in_one_line(tmp_path):
     assert lines[0].startswith("error: runs ") and "same settings and seed 0" in lines[0]
 
 
+def switch_on_normuon(run_dir) -> None:
+    config = run_dir / ".hydra" / "config.yaml"
+    config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+
+
 def test_a_variant_is_compared_with_its_plain_setting_within_each_seed(tmp_path):
     """Seeds move both settings' losses alike (c), the variant is lower by d_s per seed: the
     paired difference is the mean and standard error of the d_s, free of c's spread, and its
@@ -177,11 +182,9 @@ def test_a_variant_is_compared_with_its_plain_setting_within_each_seed(tmp_path)
         write_run(tmp_path / "muon" / str(seed), "muon", 1e-2, [c + 1, c], seed=seed)
         write_run(tmp_path / "adamw" / str(seed), "adamw", 1e-3, [c + 2, c + 0.5], seed=seed)
         write_run(tmp_path / "normuon" / str(seed), "muon", 1e-2, [c + 1, c + d[seed]], seed=seed)
-        config = tmp_path / "normuon" / str(seed) / ".hydra" / "config.yaml"
-        config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+        switch_on_normuon(tmp_path / "normuon" / str(seed))
     write_run(tmp_path / "normuon" / "9", "muon", 1e-2, [9.0, 9.0], seed=9)  # no partner: left out
-    config = tmp_path / "normuon" / "9" / ".hydra" / "config.yaml"
-    config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+    switch_on_normuon(tmp_path / "normuon" / "9")
     arms = group_arms([load_run(p) for p in sorted(tmp_path.glob("*/*"))])
     normuon = next(arm for arm in arms if arm.optimizer == "muon+normuon")
     plain = next(arm for arm in arms if arm.optimizer == "muon")
@@ -211,8 +214,7 @@ def test_the_settings_table_gives_each_setting_its_median_step_times(tmp_path):
             path = tmp_path / name / str(seed)
             write_run(path, optimizer, lr, [5.0, 4.0, 3.5, 3.0 + 0.1 * seed], seed=seed)
             if name == "normuon":
-                config = path / ".hydra" / "config.yaml"
-                config.write_text(config.read_text() + "  muon:\n    normuon: true\n")
+                switch_on_normuon(path)
                 continue
             records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
             for record, t in zip(records, times[name][seed]):
