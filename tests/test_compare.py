@@ -317,3 +317,29 @@ def test_a_sweep_of_one_optimizer_gets_its_table_with_the_best_lr_per_length(tmp
     (tmp_path / "sweep" / "1e-3_80" / "environment.json").write_text('{"corpus": {"id": "beef"}}')
     proc = compare(tmp_path, str(tmp_path / "sweep"))
     assert proc.returncode != 0 and "runs trained on different corpora" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("n_arms", [2, 6])
+def test_a_legend_per_panel_for_a_few_arms_and_one_below_the_figure_for_many(n_arms):
+    """Six arms' labels inside a panel would cover the curves (the Muon-family sweep)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from scripts.compare_runs import add_legend
+
+    fig, axes = plt.subplots(1, 2)
+    for ax in axes:
+        for i in range(n_arms):
+            ax.plot([0, 1], [i, i + 1], label=f"arm {i}")
+    add_legend(fig, list(axes), n_arms)
+    panel_legends = [ax.get_legend() for ax in axes]
+    if n_arms <= 3:
+        assert all(leg is not None for leg in panel_legends) and not fig.legends
+    else:
+        assert all(leg is None for leg in panel_legends) and len(fig.legends) == 1
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == [f"arm {i}" for i in range(n_arms)]
+        # below the axes: its anchor is at the figure's bottom edge
+        assert fig.legends[0].get_bbox_to_anchor().y0 == pytest.approx(0.0)
+    plt.close(fig)
