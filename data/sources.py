@@ -8,6 +8,7 @@ train.py calls `check_data_config` before loading either.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -402,6 +403,34 @@ def eval_source(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str] = N
         f"data.eval_sets.{name}", ecfg.path, ecfg.dataset_config, ecfg.data_files, ecfg.split,
         ecfg.text_field, max_docs=ecfg.max_docs,
     )
+
+
+class MissingPackageError(ValueError):
+    """A setting needs an optional package that is not installed; reported as one line."""
+
+
+def require_package(package: str, setting: str, switch_off: str) -> None:
+    """Raise MissingPackageError, naming `setting` and both ways out, if `package` cannot be
+    imported. Found without importing it, so a start-up check costs nothing."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # an import hook refusing it; a module left half-imported
+        found = False
+    if not found:
+        raise MissingPackageError(
+            f"{setting} needs the {package} package, which is not installed: install the requirements "
+            f"(pip install -r requirements.txt), or {switch_off}"
+        )
+
+
+def check_data_packages(cfg: DataConfig) -> None:
+    """The `datasets` package an hf source needs, checked at start-up rather than found
+    missing when the corpus is loaded."""
+    if cfg.name == "hf":
+        require_package("datasets", "data=hf", "train on the embedded corpus with data=stdlib")
+    for name, ecfg in cfg.eval_sets.items():
+        if ecfg.kind == "hf":
+            require_package("datasets", f"data.eval_sets.{name}.kind=hf", f"drop that set with ~data.eval_sets.{name}")
 
 
 def check_data_config(cfg: DataConfig) -> None:

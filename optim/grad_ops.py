@@ -30,15 +30,26 @@ def average_gradients(params: Iterable[torch.Tensor], group: Optional[dist.Proce
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of the squared elements of all `tensors`, accumulated in fp32, as a 0-d tensor.
+    """Sum of the squared elements of all `tensors`, accumulated in fp64, as a 0-d fp32 tensor.
 
     One foreach norm over the list (one multi-tensor kernel on a GPU), not a pow and a sum
     per tensor: the step's reductions stay constant in the number of parameters.
+
+    Accumulated in fp64, the norm is the fp64 one to fp32 rounding (1e-7), however a matrix is
+    split over ranks. In fp32, torch's CPU norm of a contiguous tensor runs down it with one
+    vector of fp32 partial sums, so its error grows with the length (2.5e-4 relative for an
+    8192 x 1024 matrix), and a matrix cut into TP shards gets a different error. The CUDA
+    kernel (tree reductions, already 1e-8 close in fp32) converts each element to `dtype`
+    before squaring it, so fp64 costs the same launches there.
     """
     if not tensors:
-        return torch.zeros((), device=device)
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    return torch.stack(norms).square().sum()
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    # Squaring into an fp32 output rounds once, from fp64, and on CUDA the cast is part of
+    # the multiply's kernel: as many launches as the fp32 stack/square/sum had. Callers keep
+    # an fp32 sum (fp32 all-reduce payloads, fp32 norm and clip scale).
+    return torch.mul(total, total, out=torch.empty((), dtype=torch.float32, device=total.device))
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:

@@ -75,7 +75,8 @@ def test_dp2_tp2_adamw_tracks_the_single_process_run(tmp_path, single_2b):
     run_distributed(_train_worker, 4, str(tmp_path), ["trainer.batch_size=2", "parallel.tp=2"])
     parallel = read_metrics(tmp_path)
     assert_tracks(losses(parallel), losses(single_2b), 1e-4)
-    assert_tracks(losses(parallel, "optim/grad_norm"), losses(single_2b, "optim/grad_norm"), 1e-4)
+    # fp64-accumulated norms: 3e-7 apart here; fp32 accumulation on CPU had them 5e-5 apart
+    assert_tracks(losses(parallel, "optim/grad_norm"), losses(single_2b, "optim/grad_norm"), 1e-5)
     # eval is sharded over DP and reduced: the same number
     assert abs(parallel[-1]["val/val/loss"] - single_2b[-1]["val/val/loss"]) < 1e-4
     # global throughput counts the global batch

@@ -1,11 +1,19 @@
 """Metric sinks: jsonl, TensorBoard and an offline wandb run receive the same records."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
-from tests.conftest import requires
+import pytest
+
+from data.config import DataConfig, EvalSourceConfig
+from data.sources import MissingPackageError, check_data_packages
+from tests.conftest import REPO, requires
 from trainer.config import LoggerConfig, WandbConfig
-from trainer.sinks import MetricSinks
+from trainer.sinks import MetricSinks, check_sink_packages
 
 
 @requires("wandb", "the wandb sink")
@@ -88,3 +96,96 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
     assert ("define_metric", "tokens", {}) in calls
     assert ("define_metric", "*", {"step_metric": "tokens"}) in calls
     assert ("log", {"tokens": 100, "train/loss": 5.0}, 1) in calls
+
+
+# Installed first on sys.meta_path by a sitecustomize.py on PYTHONPATH, so that `import wandb`
+# fails exactly as on a machine without it (the same exception and message).
+HIDE_WANDB = """
+import sys
+
+
+class HideWandb:
+    def find_spec(self, name, path=None, target=None):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, HideWandb())
+"""
+
+WAYS_OUT = "install the requirements (pip install -r requirements.txt), or "
+
+
+def test_a_missing_wandb_stops_the_run_at_start_up_in_one_line(tmp_path):
+    """Before: the corpus was built and the matmul peak measured, then a ModuleNotFoundError
+    traceback came out of MetricSinks."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_WANDB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}
+    probe = subprocess.run([sys.executable, "-c", "import wandb"], capture_output=True, text=True, env=env, timeout=60)
+    assert probe.stderr.splitlines()[-1] == "ModuleNotFoundError: No module named 'wandb'"
+
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"data.cache_dir={cache}", "trainer.device=cpu",
+         "logger.tensorboard=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "error: logger.wandb.mode=offline needs the wandb package, which is not installed: "
+        + WAYS_OUT + "switch wandb off with logger.wandb.mode=disabled"
+    ]
+    # Nothing was built and nothing measured.
+    assert not cache.exists() and not (run_dir / "tokenizer").exists()
+    log = proc.stdout + "".join(p.read_text() for p in run_dir.glob("*.log"))
+    assert "measuring" not in log and "tokenizer" not in log, log[-2000:]
+
+
+def hide(monkeypatch, package: str, how: str = "none") -> None:
+    """find_spec as on a machine without `package` ("none"), or behind an import hook that
+    refuses it ("raise")."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, package_=None):
+        if name == package:
+            if how == "raise":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+        return real(name, package_)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.mark.parametrize("how", ["none", "raise"])
+def test_a_missing_tensorboard_names_the_switch(monkeypatch, how):
+    hide(monkeypatch, "tensorboard", how)
+    off = WandbConfig(mode="disabled")
+    with pytest.raises(MissingPackageError) as err:
+        check_sink_packages(LoggerConfig(tensorboard=True, wandb=off))
+    assert str(err.value) == ("logger.tensorboard=true needs the tensorboard package, which is not installed: "
+                              + WAYS_OUT + "switch TensorBoard off with logger.tensorboard=false")
+    check_sink_packages(LoggerConfig(tensorboard=False, wandb=off))  # switched off: not needed
+
+
+def test_sinks_switched_off_need_no_packages(monkeypatch):
+    hide(monkeypatch, "wandb")
+    with pytest.raises(MissingPackageError, match="^logger.wandb.mode=online needs the wandb package"):
+        check_sink_packages(LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="online")))
+    check_sink_packages(LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="disabled")))
+
+
+@pytest.mark.parametrize("how", ["none", "raise"])
+def test_a_missing_datasets_names_data_hf_and_the_embedded_corpus(monkeypatch, how):
+    hide(monkeypatch, "datasets", how)
+    with pytest.raises(MissingPackageError) as err:
+        check_data_packages(DataConfig(name="hf", path="text", data_files=["corpus.txt"]))
+    assert str(err.value) == ("data=hf needs the datasets package, which is not installed: "
+                              + WAYS_OUT + "train on the embedded corpus with data=stdlib")
+    wiki = DataConfig(eval_sets={"wiki": EvalSourceConfig(kind="hf", path="text", data_files=["wiki.txt"])})
+    with pytest.raises(MissingPackageError, match=r"^data.eval_sets.wiki.kind=hf needs the datasets package.*"
+                                                  r"or drop that set with ~data.eval_sets.wiki$"):
+        check_data_packages(wiki)
+    check_data_packages(DataConfig())  # the embedded corpus and the bundled prose need no datasets

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Union
 
+from data.sources import require_package
 from trainer.config import LoggerConfig
 
 
@@ -27,6 +28,15 @@ def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, HParam]:
         else:
             flat[name] = json.dumps(value)
     return flat
+
+
+def check_sink_packages(cfg: LoggerConfig) -> None:
+    """The packages the enabled sinks import, checked at start-up: MetricSinks imports them
+    only once the corpus is built and the matmul peak measured."""
+    if cfg.wandb.mode != "disabled":
+        require_package("wandb", f"logger.wandb.mode={cfg.wandb.mode}", "switch wandb off with logger.wandb.mode=disabled")
+    if cfg.tensorboard:
+        require_package("tensorboard", "logger.tensorboard=true", "switch TensorBoard off with logger.tensorboard=false")
 
 
 class MetricSinks:
