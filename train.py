@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from data.sources import DataConfigError, check_data_config
+from data.sources import DataConfigError, check_data_config, check_data_packages
 from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.checkpoint import CheckpointError
@@ -45,6 +45,7 @@ from trainer.device import DeviceError
 from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.mesh import adopt_slurm_env, check_mesh_shape, destroy_mesh, world_size_from_env
+from trainer.sinks import check_sink_packages
 
 register_configs()
 log = logging.getLogger("train")
@@ -105,12 +106,16 @@ def main(cfg: DictConfig) -> float:
         check_moe_config(typed.model)
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)
+        # Optional packages the config switches on: missing, they would stop the run only
+        # after the corpus is built.
+        check_data_packages(typed.data)
+        check_sink_packages(typed.logger)
     except (ValueError, OmegaConfBaseException) as err:
         exit_bad_input(err)
 
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    start_job(typed, hydra_cfg)
+    tf32_before = start_job(typed, hydra_cfg)
     run_dir = Path(hydra_cfg.runtime.output_dir)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
     trainer: Trainer | None = None
@@ -139,7 +144,7 @@ def main(cfg: DictConfig) -> float:
             log.exception("job %s (%s) failed", hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults")
         raise
     finally:
-        end_job(trainer.mesh if trainer is not None else None, multirun)
+        end_job(trainer.mesh if trainer is not None else None, multirun, tf32_before)
     # The return value is what Hydra sweepers optimise: the final in-domain val loss.
     return final.get("val/val/loss", float("nan"))
 

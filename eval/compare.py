@@ -127,14 +127,18 @@ def load_run(path: Path) -> Run:
 def optimizer_setting(optim: dict) -> str:
     """The optimizer a run used, with the Muon-family options it switched on: "muon",
     "muon+normuon+cautious_wd", "adamw+cautious_wd". Runs that differ in these options are
-    different optimizers to every table: each gets its own best lr and its own row."""
+    different optimizers to every table: each gets its own best lr and its own row.
+
+    ns_method=gram is "gram_ns" and ns_method=auto "auto_ns": auto runs Gram on the shapes
+    where it measured faster, so its arithmetic is neither plain Muon's nor gram's."""
     name = str(optim["name"])
     muon = optim.get("muon", {}) if name == "muon" else {}
     beta2 = muon.get("normuon_beta2", 0.95)
     normuon = "normuon" if beta2 == 0.95 else f"normuon(beta2={beta2:g})"
+    ns_method = muon.get("ns_method", "standard")
     options = [label for label, on in ((normuon, muon.get("normuon")),
                                        ("cautious_wd", optim.get("cautious_wd")),
-                                       ("gram_ns", muon.get("ns_method") == "gram")) if on]
+                                       (f"{ns_method}_ns", ns_method != "standard")) if on]
     return "+".join([name, *options])
 
 

@@ -42,7 +42,7 @@ CUDA_SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "c
 NO_WORK_OPS = frozenset(f"aten::{name}" for name in (
     "view", "_unsafe_view", "view_as", "reshape", "_reshape_alias", "flatten", "unflatten", "t",
     "transpose", "mT", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "detach", "alias",
-    "narrow", "select", "slice", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+    "narrow", "select", "slice", "diagonal", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
     "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
     "resolve_conj", "resolve_neg", "contiguous", "to", "type_as", "item",
 ))

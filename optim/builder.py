@@ -2,7 +2,7 @@
 together as one object with one state_dict."""
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -10,10 +10,11 @@ import torch
 from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
-from optim.muon import Muon
+from optim.muon import Muon, ns_shape
+from optim.newton_schulz import NSShape
 from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
-from optim.routing import HEAD_KINDS, route_parameters
+from optim.routing import muon_split_rows, route_parameters
 from optim.zero import ZeroOptimizer
 from trainer.mesh import Mesh
 
@@ -35,6 +36,21 @@ class MuonWithAdamW(OptimizerSet):
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
+
+
+def muon_ns_shapes(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh = Mesh()) -> Counter[NSShape]:
+    """How many matrices of each shape Muon orthogonalises in a step of the whole model, on
+    any rank (ZeRO-1 hands each rank a share of the same shapes): what ns_method=auto measures."""
+    params = dict(model.named_parameters())
+    counts: Counter[NSShape] = Counter()
+    for route in route_parameters(model, cfg.name):
+        if route.optimizer != "muon":
+            continue
+        split_rows = muon_split_rows(route.kind, cfg.muon.split_heads, model_cfg.head_dim)
+        group = {"split_rows": split_rows, "tp_group": mesh.tp_group, "tp_mode": cfg.muon.tp_mode}
+        k, shape = ns_shape(params[route.name], group)
+        counts[shape] += k
+    return counts
 
 
 def build_optimizer(
@@ -60,8 +76,7 @@ def build_optimizer(
             }
             if target == "muon":
                 group["tp_group"] = mesh.tp_group
-                if cfg.muon.split_heads and kind in HEAD_KINDS:
-                    group["split_rows"] = model_cfg.head_dim
+                group["split_rows"] = muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim)
             out.append(group)
         return out
 
@@ -82,6 +97,8 @@ def build_optimizer(
             compile_updates=compile_updates,
             cautious_wd=cfg.cautious_wd,
             ns_method=m.ns_method,
+            ns_by_shape=m.ns_by_shape,
+            cuda_graphs=m.cuda_graphs,
             normuon=m.normuon,
             normuon_beta2=m.normuon_beta2,
         )

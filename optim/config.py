@@ -34,7 +34,20 @@ class MuonConfig:
     # restart after the second step) for matrices whose aspect ratio makes it cheaper, above
     # about 1.5; square ones stay standard. Under tp_mode=gram it also all-reduces the Gram
     # matrix once per restart segment instead of every step. See optim/newton_schulz.py.
+    # "auto": Gram or standard per matrix shape, whichever measured faster on this device at
+    # start-up (optim/ns_choice.py); the choice is written into ns_by_shape.
     ns_method: str = "standard"
+    # With ns_method=auto: {"ROWSxCOLS": "gram" or "standard"} per matrix shape Muon
+    # orthogonalises (TP shards iterated as shards under tp_mode=gram: "ROWSxCOLS_shard_rows"
+    # or "_shard_cols"). Start-up measures the shapes missing here, and the resolved config
+    # records them all; a resumed run keeps its checkpoint's. Empty otherwise.
+    ns_by_shape: Dict[str, str] = field(default_factory=dict)
+    # On CUDA, replay each stack's Newton-Schulz as a CUDA graph recorded at the second step
+    # (one launch instead of ~20 per stack; optim/ns_graphs.py). Costs memory: each stack's
+    # buffer is kept between steps (the sum of all stacks, not the largest one at a time), and
+    # the graphs hold a memory pool for the iterations' scratch buffers (at least those of the
+    # largest stack). Both are released at the end of each job, in a sweep too.
+    cuda_graphs: bool = False
     # NorMuon (arXiv 2510.05491): divide each row (column, for wide matrices) of the
     # orthogonalised update by the root of its running mean square, then restore the update's
     # norm. See optim/normuon.py.

@@ -12,7 +12,8 @@ already moves the weight towards zero (Cautious Weight Decay, arXiv 2510.12402):
     W = W - lr * weight_decay * W * [O * W > 0]
 With `normuon`, O is normalised per row (or column) by a running second moment before the
 update (optim/normuon.py). With ns_method="gram", Newton-Schulz runs as Gram Newton-Schulz
-where the matrix's aspect ratio makes it cheaper (optim/newton_schulz.py).
+where the matrix's aspect ratio makes it cheaper (optim/newton_schulz.py); with "auto", where
+`ns_by_shape` says so for the matrix's shape (measured on the device, optim/ns_choice.py).
 
 Parameters are 2-D [out, in] or 3-D [E, out, in] (E independent expert matrices). A group
 may set `split_rows=h`: each block of h rows of a [R, C] matrix (one attention head) is then
@@ -27,8 +28,9 @@ normalised on its own, so this equals per-matrix processing.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -38,7 +40,9 @@ from optim.newton_schulz import (
     ADJUST_LR_MODES,
     COEFFICIENTS,
     NS_METHODS,
+    NSShape,
     batch_chunk,
+    iteration_for,
     momentum_update,
     muon_scale,
     newton_schulz,
@@ -115,8 +119,13 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps!r}")
     if group["ns_method"] not in NS_METHODS:
         raise ValueError(
-            f"optim.muon.ns_method: unknown method {group['ns_method']!r} (expected {' or '.join(NS_METHODS)})"
+            f"optim.muon.ns_method: unknown method {group['ns_method']!r} (expected {', '.join(NS_METHODS)})"
         )
+    by_shape = group.get("ns_by_shape")
+    if by_shape is not None:
+        problem = ns_by_shape_problem(group["ns_method"], by_shape)
+        if problem is not None:
+            raise ValueError(problem)
     if not isinstance(group["normuon"], bool):
         raise ValueError(f"optim.muon.normuon must be a bool, got {group['normuon']!r}")
     beta2 = group["normuon_beta2"]
@@ -131,6 +140,22 @@ def _validate_group(group: dict[str, Any]) -> None:
         matrix_layout(p.shape, h)  # raises on unsupported shapes
         if p.is_sparse:
             raise ValueError("optim.muon: sparse parameters are not supported")
+
+
+def ns_by_shape_problem(method: str, by_shape: Mapping[str, str]) -> str | None:
+    """What is wrong with optim.muon.ns_by_shape (one line naming the key), or None."""
+    if not isinstance(by_shape, Mapping):
+        return f"optim.muon.ns_by_shape must map shapes to standard or gram, got {by_shape!r}"
+    if by_shape and method != "auto":
+        return f"optim.muon.ns_by_shape is read only with optim.muon.ns_method=auto, not {method}"
+    for key, value in by_shape.items():
+        try:
+            NSShape.parse(key)
+        except ValueError as err:
+            return str(err)
+        if value not in ("standard", "gram"):
+            return f"optim.muon.ns_by_shape.{key}: unknown value {value!r} (expected standard or gram)"
+    return None
 
 
 def matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
@@ -168,6 +193,25 @@ def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
     return split
 
 
+def ns_shape(param: Tensor, group: dict[str, Any]) -> tuple[int, NSShape]:
+    """(k, shape): this parameter gives k matrices of `shape` to Newton-Schulz, as step()
+    orthogonalises them (split into heads, TP shards gathered whole or iterated as shards)."""
+    k, rows, cols = matrix_layout(param.shape, group["split_rows"])
+    return k, _ns_view(rows, cols, tp_gather_dim(param, group), group)
+
+
+def _ns_view(rows: int, cols: int, split: int | None, group: dict[str, Any]) -> NSShape:
+    """The shape Newton-Schulz sees of a local rows x cols matrix that is a TP shard split
+    along `split` (None: whole): the gathered matrix under tp_mode=gather, the shard itself
+    under tp_mode=gram."""
+    if split is None:
+        return NSShape(rows, cols)
+    if group["tp_mode"] == "gram":
+        return NSShape(rows, cols, split)
+    tp = group_size(group["tp_group"])
+    return NSShape(rows * tp, cols) if split == 0 else NSShape(rows, cols * tp)
+
+
 @dataclass
 class _Item:
     """One parameter's contribution to a stack: matrices [offset, offset + k) of the stack."""
@@ -199,7 +243,17 @@ class Muon(torch.optim.Optimizer):
             or "none", for the A x B matrix actually orthogonalised.
         eps: added to the Frobenius norm before normalising.
         tp_mode: "gather" or "gram", how TP-sharded matrices are orthogonalised.
-        ns_method: "standard" or "gram" (Gram Newton-Schulz where it is cheaper).
+        ns_method: "standard", "gram" (Gram Newton-Schulz where it costs fewer multiply-adds)
+            or "auto" (Gram for the shapes `ns_by_shape` maps to "gram").
+        ns_by_shape: for ns_method="auto", {NSShape key ("768x2048"): "gram" or "standard"}
+            for every shape the optimizer orthogonalises (see ns_shapes; optim/ns_choice.py
+            measures it).
+        cuda_graphs: on CUDA, replay each stack's Newton-Schulz as a recorded CUDA graph (one
+            launch instead of dozens, see optim/ns_graphs.py). It costs memory: each stack's
+            buffer is kept between steps (the stacks of all shapes, not the largest at a
+            time), and the graphs hold one memory pool for the iterations' scratch buffers
+            (at least those of the largest stack). Both are released at the end of each job
+            (newton_schulz.release_buffers, from trainer/launch.py's end_job).
         normuon, normuon_beta2: NorMuon's per-row second moment (optim/normuon.py).
         compile_updates: run the elementwise work (momentum, weight decay, update) as
             torch.compile'd fused kernels (optim/muon_fused.py): fewer memory passes, for GPUs.
@@ -228,6 +282,8 @@ class Muon(torch.optim.Optimizer):
         ns_method: str = "standard",
         normuon: bool = False,
         normuon_beta2: float = 0.95,
+        ns_by_shape: Mapping[str, str] | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -245,6 +301,7 @@ class Muon(torch.optim.Optimizer):
             ns_method=ns_method,
             normuon=normuon,
             normuon_beta2=normuon_beta2,
+            ns_by_shape=None if ns_by_shape is None else dict(ns_by_shape),
         )
         # Fail on the defaults themselves even when every group overrides them.
         _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
@@ -254,10 +311,28 @@ class Muon(torch.optim.Optimizer):
         self.compile_updates = compile_updates
         # Not a group option either: a run resumed with it switched keeps its checkpoint.
         self.cautious_wd = cautious_wd
+        self.cuda_graphs = cuda_graphs
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         _validate_group(self.param_groups[-1])
+
+    def ns_shapes(self) -> Counter[NSShape]:
+        """How many matrices of each shape a step of every parameter orthogonalises."""
+        counts: Counter[NSShape] = Counter()
+        for group in self.param_groups:
+            for p in group["params"]:
+                k, shape = ns_shape(p, group)
+                counts[shape] += k
+        return counts
+
+    def set_ns_by_shape(self, by_shape: Mapping[str, str]) -> None:
+        """Every group's ns_by_shape (what optim/ns_choice.py chose), checked."""
+        for group in self.param_groups:
+            problem = ns_by_shape_problem(group["ns_method"], by_shape)
+            if problem is not None:
+                raise ValueError(problem)
+            group["ns_by_shape"] = dict(by_shape)
 
     @torch.no_grad()
     def step(
@@ -276,7 +351,9 @@ class Muon(torch.optim.Optimizer):
         stacks: dict[tuple, list[_Item]] = {}
         tp_stacks: dict[tuple, list[_Item]] = {}  # TP shards that need the full matrix
         for group in self.param_groups:
-            ns = _NS(group["ns_steps"], group["coefficients"], group["ns_dtype"], group["eps"], group["ns_method"])
+            # Per (rows, cols, TP split): the settings with the iteration the group's method
+            # resolves to for that shape, worked out once per shape, not per matrix.
+            settings: dict[tuple[int, int, int | None], _NS] = {}
             beta2 = group["normuon_beta2"] if group["normuon"] else None
             for p in group["params"]:
                 if p.grad is None or (chosen is not None and id(p) not in chosen):
@@ -298,6 +375,9 @@ class Muon(torch.optim.Optimizer):
                     state["normuon_v"] = state["normuon_v"].float()
                 item = _Item(p, p.grad, buf, group, k, rows, cols, state.get("normuon_v") if beta2 is not None else None)
                 split = tp_gather_dim(p, group)
+                ns = settings.get((rows, cols, split))
+                if ns is None:
+                    ns = settings[rows, cols, split] = _NS.of(group, _ns_view(rows, cols, split, group))
                 if split is not None:
                     key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, ns, beta2)
                     tp_stacks.setdefault(key, []).append(item)
@@ -306,7 +386,7 @@ class Muon(torch.optim.Optimizer):
                 stacks.setdefault(key, []).append(item)
 
         gate = None if getattr(self, "found_inf", None) is None else _Gate.of(self.found_inf)
-        work = _Elementwise(gate, self.compile_updates, self.cautious_wd)
+        work = _Elementwise(gate, self.compile_updates, self.cautious_wd, self.cuda_graphs)
         for (rows, cols, dtype, device, ns, beta2), items in stacks.items():
             _step_stack(items, rows, cols, dtype, device, ns, beta2, work)
         for (rows, cols, split, _, _, dtype, device, ns, beta2), items in tp_stacks.items():
@@ -352,7 +432,13 @@ class _NS:
     coefficients: str
     dtype: torch.dtype
     eps: float
-    method: str
+    iteration: str  # "standard" or "gram": the group's ns_method resolved for the stack's shape
+
+    @staticmethod
+    def of(group: dict[str, Any], shape: NSShape) -> "_NS":
+        steps = group["ns_steps"]
+        iteration = iteration_for(group["ns_method"], shape, steps, group.get("ns_by_shape"))
+        return _NS(steps, group["coefficients"], group["ns_dtype"], group["eps"], iteration)
 
 
 @dataclass(frozen=True)
@@ -404,13 +490,13 @@ def _step_tp_stack(items: list[_Item], split: int, ns: _NS, beta2: float | None,
     rows_full, cols_full = (first.rows * tp, first.cols) if split == 0 else (first.rows, first.cols * tp)
     if first.group["tp_mode"] == "gram":
         own = newton_schulz_sharded(inputs, split, group, ns.steps, ns.coefficients, ns.dtype, ns.eps, keep=keep,
-                                    method=ns.method)
+                                    iteration=ns.iteration)
     else:
         gathered = inputs.new_empty((tp, *inputs.shape))
         all_gather_into(gathered, inputs, group)
         full = torch.cat(gathered.unbind(0), dim=1 + split)  # [N, rows, cols]: full matrices
         ortho = newton_schulz(full, ns.steps, ns.coefficients, ns.dtype, ns.eps, out_dtype=ns.dtype, keep=keep,
-                              method=ns.method)
+                              iteration=ns.iteration)
         own = ortho.chunk(tp, dim=1 + split)[group_rank(group)]
     _normuon(items, own, beta2, rows_full, cols_full, work, split)
     work.apply_updates(items, own, rows_full, cols_full)
@@ -446,10 +532,12 @@ def _step_run(
     total = sum(it.k for it in items)
     # In the parameters' dtype: the Newton-Schulz input, then (in place) its output, so that
     # the update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
-    stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device)
+    # With CUDA graphs the stack stays at one address from step to step, so that its
+    # recorded Newton-Schulz (which reads and writes it in place) can be replayed.
+    stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device, persistent=work.graphs)
     work.momentum_into(items, stack)
     ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=stack, keep=work.keep,
-                          method=ns.method)
+                          graph=work.graphs, iteration=ns.iteration)
     _normuon(items, ortho, beta2, rows, cols, work)
     work.apply_updates(items, ortho, rows, cols)
 
@@ -478,10 +566,11 @@ class _Elementwise:
     whatever its size), or with `compiled` (optim/muon_fused.py) fused kernels that stream
     each matrix through memory once per phase. Either honours the step's gate."""
 
-    def __init__(self, gate: _Gate | None, compiled: bool, cautious: bool = False) -> None:
+    def __init__(self, gate: _Gate | None, compiled: bool, cautious: bool = False, graphs: bool = False) -> None:
         self.gate = gate
         self.compiled = compiled
         self.cautious = cautious
+        self.graphs = graphs  # Newton-Schulz through CUDA graphs (Muon's cuda_graphs)
 
     @property
     def keep(self) -> Tensor | None:

@@ -26,12 +26,16 @@ arithmetic the result is unchanged.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections import OrderedDict
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
+
+from optim import ns_graphs
 
 Coefficient = tuple[float, float, float]
 
@@ -57,7 +61,11 @@ COEFFICIENTS: dict[str, list[Coefficient]] = {
 NORM_SAFETY: dict[str, float] = {"classic": 1.0, "polar_express": 1.02}
 
 ADJUST_LR_MODES = ("match_rms_adamw", "spectral", "none")
-NS_METHODS = ("standard", "gram")
+# "auto": Gram or standard per matrix shape, as measured on the device (optim/ns_choice.py) and
+# handed over as `by_shape`.
+NS_METHODS = ("standard", "gram", "auto")
+# The two iterations a method resolves to per matrix shape (iteration_for).
+ITERATIONS = ("standard", "gram")
 
 # Gram Newton-Schulz restarts after these iterations (counted from 1). The authors restart
 # after the second: the first two steps grow the smallest singular values the most (by up to
@@ -91,6 +99,78 @@ def gram_pays(n: int, m: int, steps: int) -> bool:
     n x m matrix whose Gram matrix is n x n (n <= m unless a TP split decides the side). With
     5 steps and one restart it does once m / n passes 1.5; square matrices gain nothing."""
     return gram_macs(n, m, steps) < standard_macs(n, m, steps)
+
+
+_SHARD_SUFFIX = {0: "_shard_rows", 1: "_shard_cols"}
+_KEY = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)(_shard_rows|_shard_cols)?$")
+
+
+@dataclass(frozen=True)
+class NSShape:
+    """A matrix as Newton-Schulz sees it: rows x cols whole, or with `split` 0 / 1 this rank's
+    rows x cols shard of a matrix split over TP along its rows / cols and iterated as shards
+    (tp_mode=gram, newton_schulz_sharded). Its `key` ("768x2048", "384x2048_shard_rows")
+    names it in optim.muon.ns_by_shape."""
+
+    rows: int
+    cols: int
+    split: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.rows}x{self.cols}{_SHARD_SUFFIX.get(self.split, '')}"
+
+    @staticmethod
+    def parse(key: str) -> "NSShape":
+        match = _KEY.match(str(key))
+        if match is None:
+            raise ValueError(
+                f"optim.muon.ns_by_shape: bad shape {key!r} (expected ROWSxCOLS, e.g. 768x2048, "
+                f"optionally with _shard_rows or _shard_cols)"
+            )
+        split = {v: k for k, v in _SHARD_SUFFIX.items()}.get(match.group(3))
+        return NSShape(int(match.group(1)), int(match.group(2)), split)
+
+    def gram_sides(self) -> tuple[int, int]:
+        """(n, m): the side of the Gram matrix the iteration forms, and the other side. Whole
+        matrices use the short side; shards use the side that sums over the shards."""
+        if self.split is None:
+            return min(self.rows, self.cols), max(self.rows, self.cols)
+        return (self.cols, self.rows) if self.split == 0 else (self.rows, self.cols)
+
+
+def use_gram(method: str, shape: NSShape, steps: int, by_shape: Mapping[str, str] | None = None) -> bool:
+    """Whether a matrix of `shape` runs Gram Newton-Schulz: never for "standard"; where it
+    costs fewer multiply-adds for "gram"; as `by_shape` (shape key -> "gram" / "standard",
+    measured by optim/ns_choice.py) says for "auto", which must name the shape."""
+    if method == "standard":
+        return False
+    if method == "gram":
+        return gram_pays(*shape.gram_sides(), steps)
+    if method != "auto":
+        raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected {', '.join(NS_METHODS)})")
+    choice = (by_shape or {}).get(shape.key)
+    if choice is None:
+        raise ValueError(
+            f"optim.muon.ns_method=auto: no choice for {shape.key} matrices in optim.muon.ns_by_shape "
+            f"(has {sorted(by_shape or {})}); the trainer measures every shape of the model at start-up, "
+            f"elsewhere see optim/ns_choice.py"
+        )
+    return choice == "gram"
+
+
+def iteration_for(method: str, shape: NSShape, steps: int, by_shape: Mapping[str, str] | None = None) -> str:
+    """"gram" or "standard": the iteration `method` runs on matrices of `shape` (use_gram).
+    Callers that orthogonalise many matrices of one shape (Muon's stacks) resolve it once and
+    hand it to newton_schulz as `iteration`."""
+    return "gram" if use_gram(method, shape, steps, by_shape) else "standard"
+
+
+def check_iteration(iteration: str) -> str:
+    """`iteration` if it names one of ITERATIONS; else a ValueError naming it."""
+    if iteration not in ITERATIONS:
+        raise ValueError(f"newton_schulz: unknown iteration {iteration!r} (expected {' or '.join(ITERATIONS)})")
+    return iteration
 
 
 def coefficients_for(name: str, steps: int) -> list[Coefficient]:
@@ -159,6 +239,9 @@ def newton_schulz(
     out: Tensor | None = None,
     keep: Tensor | None = None,
     method: str = "standard",
+    by_shape: Mapping[str, str] | None = None,
+    graph: bool = False,
+    iteration: str | None = None,
 ) -> Tensor:
     """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
 
@@ -177,10 +260,18 @@ def newton_schulz(
     finite.
 
     `method`: "standard", or "gram" for Gram Newton-Schulz (the same result in exact
-    arithmetic) where gram_pays(rows, cols, steps), else standard.
+    arithmetic) where gram_pays(rows, cols, steps), else standard, or "auto": Gram where
+    `by_shape` maps "ROWSxCOLS" to "gram" (see use_gram). `iteration` ("standard" or "gram"),
+    where given, is the iteration already resolved by the caller (iteration_for) and runs
+    as it says: `method` and `by_shape` are then not read.
+
+    `graph`: on CUDA, record the whole iteration as a CUDA graph on the second call with the
+    same buffers and settings, and replay it from then on (optim/ns_graphs.py): one launch
+    instead of dozens. It pays only for a caller that passes the same G and `out` tensors
+    every time (Muon's persistent stacks); elsewhere, and on CPU, it runs eagerly.
     """
     if method not in NS_METHODS:
-        raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected standard or gram)")
+        raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected {', '.join(NS_METHODS)})")
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a [..., rows, cols] tensor, got shape {list(G.shape)}")
     coeffs = coefficients_for(coefficients, steps)
@@ -194,12 +285,40 @@ def newton_schulz(
     if G.numel() == 0:
         return out
     rows, cols = G.shape[-2:]
+    if iteration is None:
+        gram = use_gram(method, NSShape(rows, cols), len(coeffs), by_shape)
+    else:
+        gram = check_iteration(iteration) == "gram"
+    if graph and ns_graphs.usable(G.device):
+        # A graph replays the kernels cuBLAS picked when it was recorded: the matmul flags in
+        # force then (TF32 for fp32, reduced-precision reductions for bf16 and fp16) are part
+        # of what it computes, so another job of a sweep with other flags records its own.
+        settings = (steps, coefficients, dtype, eps, gram, matmul_flags())
+        return ns_graphs.run(settings, G, out, keep, lambda G_, out_, keep_: _newton_schulz_eager(
+            G_, coeffs, NORM_SAFETY[coefficients], dtype, eps, out_, keep_, gram))
+    return _newton_schulz_eager(G, coeffs, NORM_SAFETY[coefficients], dtype, eps, out, keep, gram)
+
+
+def matmul_flags() -> tuple[object, bool, bool]:
+    """torch's process-wide CUDA matmul settings that change what a GEMM computes."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        tf32: object = matmul.allow_tf32
+    except RuntimeError:  # set through the newer fp32_precision API, which allow_tf32 refuses to read
+        tf32 = matmul.fp32_precision
+    return tf32, matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+
+
+def _newton_schulz_eager(
+    G: Tensor, coeffs: Sequence[Coefficient], safety: float, dtype: torch.dtype, eps: float, out: Tensor,
+    keep: Tensor | None, gram: bool,
+) -> Tensor:
+    """newton_schulz's work once its arguments are checked: every kernel is launched here."""
+    rows, cols = G.shape[-2:]
     batch = G.numel() // (rows * cols)
     G3, out3 = G.reshape(batch, rows, cols), out.view(batch, rows, cols)
     chunk = min(batch, batch_chunk(min(rows, cols), max(rows, cols), dtype, G.device) or batch)
     work = _Workspace(chunk, rows, cols, dtype, G.device)
-    safety = NORM_SAFETY[coefficients]
-    gram = method == "gram" and gram_pays(min(rows, cols), max(rows, cols), len(coeffs))
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
         X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start], keep)
@@ -248,24 +367,28 @@ class _Workspace:
 # CPU scratch buffers are kept between calls (per thread, the 32 most recently used; each at
 # most a few MB when batch_chunk bounds the batch): freshly allocated multi-MB buffers come
 # back from the OS as new pages, and those page faults measured ~15% of an optimizer step.
-# GPUs have a caching allocator instead.
+# GPUs have a caching allocator instead; GPU buffers are kept only when asked (`persistent`).
 _CPU_BUFFERS = threading.local()
 _CPU_BUFFERS_KEPT = 32
 
 
 def reusable_buffer(
-    tag: str, bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str
+    tag: str, bsz: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str,
+    persistent: bool = False,
 ) -> Tensor:
-    """An uninitialised contiguous [bsz, rows, cols] tensor. On CPU, its memory is reused by
-    the next call with the same tag, rows, cols and dtype (so callers must be done with it by
-    then); elsewhere it is a fresh tensor."""
+    """An uninitialised contiguous [bsz, rows, cols] tensor. On CPU, or anywhere with
+    `persistent`, its memory is reused by the next call with the same tag, rows, cols, dtype
+    and device (so callers must be done with it by then, in stream order on a GPU); elsewhere
+    it is a fresh tensor. `persistent` keeps a GPU buffer at one address from call to call,
+    which a replayed CUDA graph needs (see newton_schulz's `graph`), at the price of holding
+    its memory between calls."""
     device = torch.device(device)
-    if device.type != "cpu":
+    if device.type != "cpu" and not persistent:
         return torch.empty(bsz, rows, cols, dtype=dtype, device=device)
     cache = getattr(_CPU_BUFFERS, "cache", None)
     if cache is None:
         cache = _CPU_BUFFERS.cache = OrderedDict()
-    key = (tag, rows, cols, dtype)
+    key = (tag, rows, cols, dtype, device)
     buf = cache.pop(key, None)
     if buf is None or buf.shape[0] < bsz:
         buf = torch.empty(bsz, rows, cols, dtype=dtype, device=device)
@@ -273,6 +396,17 @@ def reusable_buffer(
     while len(cache) > _CPU_BUFFERS_KEPT:
         cache.popitem(last=False)
     return buf[:bsz]
+
+
+def release_buffers() -> None:
+    """Drop this thread's kept buffers (the CPU scratch buffers and the persistent stacks of
+    Muon's cuda_graphs, whose GPU memory then goes back to the caching allocator) and the
+    CUDA graphs recorded on them (ns_graphs.clear). The end of every job of a sweep calls it:
+    the next job's stacks have other shapes, and a graph of this job's must not replay there."""
+    ns_graphs.clear()
+    cache = getattr(_CPU_BUFFERS, "cache", None)
+    if cache is not None:
+        cache.clear()
 
 
 def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, int]] | None:
@@ -315,6 +449,13 @@ def _iterate(
     A = X X^T; B = b A + c A A (one baddbmm); X' = a X + B X (one baddbmm).
     Tall X, the same transposed: A = X^T X; B as above; X' = a X + X B (B is symmetric).
     The last step writes into `final` when given. Returns the result.
+
+    a X stays the C term of the last baddbmm, added in the GEMM's fp32 accumulator. baddbmm
+    first copies its C term into its output (profiled on an H200: those copies, of X and of A,
+    took 0.65 ms of gpt_124m's 6.0 ms Muon step). Folding a into B's diagonal instead
+    (X' = (B + a I) X, as Gram's Z does) would save the copy of X, but rounds a + B_ii to bf16:
+    measured 1.5x (classic) to 4x (Polar Express) the bf16 error against fp64 on 128 x 512
+    and 256 x 256 matrices, so it is not done.
     """
     bsz = X.shape[0]
     A, B, Y = work.a[:bsz], work.b[:bsz], work.y[:bsz]

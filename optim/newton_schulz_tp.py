@@ -1,11 +1,13 @@
 """Newton-Schulz of matrices split across a TP group, without gathering them (tp_mode=gram)."""
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import Tensor
 
 from model.comm import Group, all_reduce
-from optim.newton_schulz import NORM_SAFETY, coefficients_for, gram_pays, gram_segments
+from optim.newton_schulz import NORM_SAFETY, NSShape, check_iteration, coefficients_for, gram_segments, use_gram
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -23,6 +25,8 @@ def newton_schulz_sharded(
     eps: float = 1e-7,
     keep: Tensor | None = None,
     method: str = "standard",
+    by_shape: Mapping[str, str] | None = None,
+    iteration: str | None = None,
 ) -> Tensor:
     """This rank's shard of Newton-Schulz(X) for the N full matrices X split over `group`.
 
@@ -39,7 +43,10 @@ def newton_schulz_sharded(
     matrix once per restart segment instead of once per iteration: every later Gram matrix is
     a polynomial of it, computed alike on every rank, and the shard is multiplied by the
     accumulated polynomial Q at the segment's end (X_r Q for a rows split, Q X_c for a cols
-    split). Used where gram_pays for the Gram side and the shard's other side.
+    split). Used where gram_pays for the Gram side and the shard's other side; method="auto"
+    uses it where `by_shape` maps the shard's key (NSShape(rows, cols, split), e.g.
+    "384x2048_shard_rows") to "gram". `iteration` ("standard" or "gram"), where given, is
+    the caller's resolved choice, as in newton_schulz.
     """
     coeffs = coefficients_for(coefficients, steps)
     acc = _accumulation_dtype(X_shard.dtype)
@@ -49,8 +56,11 @@ def newton_schulz_sharded(
     if keep is not None:
         denom = denom / keep
     X = (X_shard.to(acc) / denom).to(dtype)
-    gram_side, other = (X.shape[-1], X.shape[-2]) if split == 0 else (X.shape[-2], X.shape[-1])
-    if method == "gram" and gram_pays(gram_side, other, len(coeffs)):
+    if iteration is None:
+        gram = use_gram(method, NSShape(X.shape[-2], X.shape[-1], split), len(coeffs), by_shape)
+    else:
+        gram = check_iteration(iteration) == "gram"
+    if gram:
         return _gram_sharded(X, split, group, coeffs, dtype)
     for a, b, c in coeffs:
         gram = X.mT @ X if split == 0 else X @ X.mT

@@ -26,7 +26,7 @@ from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.muon import Muon, matrix_layout, tp_gather_dim
 from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
-from optim.routing import HEAD_KINDS, route_parameters
+from optim.routing import muon_split_rows, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
 from trainer.mesh import Mesh
 
@@ -63,7 +63,7 @@ class ZeroOptimizer(OptimizerSet):
         self.kinds = [routes[n].kind for n, _ in named]
 
         def split_rows(kind: str) -> int | None:
-            return model_cfg.head_dim if cfg.muon.split_heads and kind in HEAD_KINDS else None
+            return muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim)
 
         specs = []
         for i, (name, p) in enumerate(named):
@@ -127,6 +127,7 @@ class ZeroOptimizer(OptimizerSet):
                                       ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps,
                                       tp_mode=m.tp_mode, compile_updates=compile_updates,
                                       cautious_wd=cfg.cautious_wd, ns_method=m.ns_method,
+                                      ns_by_shape=m.ns_by_shape, cuda_graphs=m.cuda_graphs,
                                       normuon=m.normuon, normuon_beta2=m.normuon_beta2)
         if adamw_groups:
             groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}

@@ -63,9 +63,9 @@ def measure(cfg: ModelConfig, dp: int, tp: int) -> dict[str, float]:
 
 
 def model_config(preset: str, vocab: int) -> ModelConfig:
-    from omegaconf import OmegaConf
+    import yaml  # the presets are plain YAML; GPU images with their own torch may lack omegaconf
 
-    fields = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
+    fields = yaml.safe_load((REPO / "conf" / "model" / f"{preset}.yaml").read_text())
     return replace(ModelConfig(**fields), vocab_size=vocab)
 
 

@@ -10,8 +10,14 @@ ratio the median of the per-round ratios. The multiply-add ratio of optim/newton
 cost model stands beside it, and a shape Gram does not pay for (square) runs standard either
 way, which shows as a ratio of about 1.
 
+The "auto picks" column is what optim.muon.ns_method=auto chooses for that shape on this
+device: the start-up measurement of optim/ns_choice.py (a small stack, a few repeats), with
+the speed-up it measured. Compare it with the interleaved speed-up beside it: auto should
+never pick the method that loses there by more than noise.
+
 Then the whole Muon optimizer step (momentum, Newton-Schulz, update) on every hidden matrix of
-`--step-model` (default gpt_124m) with ns_method standard and gram: the figure a user sees.
+`--step-model` (default gpt_124m) with ns_method standard, gram and auto: the figure a user
+sees. auto can become the default where it never loses to the better of the other two.
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.scale_plan import local_params  # noqa: E402
+from optim import ns_choice  # noqa: E402
 from optim.muon import Muon  # noqa: E402
+from optim.newton_schulz import NSShape  # noqa: E402
 from optim.newton_schulz import gram_macs, gram_pays, newton_schulz, standard_macs  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 from scripts.bench_common import ROUND_STATS, interleaved_times, machine_info, paired_ratio  # noqa: E402
@@ -43,10 +51,18 @@ def muon_shapes(model: str) -> collections.Counter:
     return counts
 
 
+def auto_picks(counts: collections.Counter, dtype: torch.dtype, device: torch.device) -> ns_choice.Measured:
+    """What ns_method=auto chooses on this device for these shapes, measured as at start-up."""
+    timer = ns_choice.device_timer(device, dtype, STEPS, "polar_express", 1e-7, counts)
+    return ns_choice.choose(counts, timer)
+
+
 def shape_rows(model: str, stack: int, dtype: torch.dtype, device: torch.device, warmup: int,
                repeats: int) -> list[str]:
     rows = []
-    for (r, c), count in sorted(muon_shapes(model).items()):
+    shapes = muon_shapes(model)
+    auto = auto_picks(collections.Counter({NSShape(r, c): n for (r, c), n in shapes.items()}), dtype, device)
+    for (r, c), count in sorted(shapes.items()):
         n = count if stack == 0 else min(stack, count)
         G = torch.randn(n, r, c, device=device)
         fns = {m: (lambda m=m: newton_schulz(G, STEPS, "polar_express", dtype, method=m)) for m in ("standard", "gram")}
@@ -56,7 +72,8 @@ def shape_rows(model: str, stack: int, dtype: torch.dtype, device: torch.device,
         med = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
         rows.append(f"| {model} | {r} x {c} | {count} | {n} | {'gram' if gram_pays(small, large, STEPS) else 'standard'} "
                     f"| {med['standard'] * 1e3:.1f} | {med['gram'] * 1e3:.1f} | "
-                    f"**{paired_ratio(times, 'standard', 'gram'):.2f}x** | {predicted:.2f}x |")
+                    f"**{paired_ratio(times, 'standard', 'gram'):.2f}x** | {predicted:.2f}x "
+                    f"| {auto.by_shape[f'{r}x{c}']} ({auto.speedups[f'{r}x{c}']:.2f}x) |")
     return rows
 
 
@@ -66,11 +83,17 @@ def step_row(model: str, dtype: torch.dtype, device: torch.device, warmup: int, 
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opts = {m: Muon([{"params": params}], lr=1e-3, weight_decay=0.1, ns_dtype=dtype, coefficients="polar_express",
-                    ns_method=m) for m in ("standard", "gram")}
+                    ns_method=m) for m in ("standard", "gram", "auto")}
+    picked = auto_picks(opts["auto"].ns_shapes(), dtype, device)
+    opts["auto"].set_ns_by_shape(picked.by_shape)
     times = interleaved_times({m: opt.step for m, opt in opts.items()}, warmup, repeats, device)
     med = {m: sorted(t)[len(t) // 2] for m, t in times.items()}
-    return (f"| {model} | whole Muon step, {len(params)} matrices | {med['standard'] * 1e3:.0f} | "
-            f"{med['gram'] * 1e3:.0f} | **{paired_ratio(times, 'standard', 'gram'):.2f}x** |")
+    best = min(("standard", "gram"), key=lambda m: med[m])
+    digits = 2 if med["standard"] < 0.1 else 0  # GPU steps take milliseconds
+    return (f"| {model} | whole Muon step, {len(params)} matrices | {med['standard'] * 1e3:.{digits}f} | "
+            f"{med['gram'] * 1e3:.{digits}f} | {med['auto'] * 1e3:.{digits}f} | "
+            f"**{paired_ratio(times, 'standard', 'gram'):.2f}x** | {paired_ratio(times, best, 'auto'):.2f}x ({best}) | "
+            f"{', '.join(f'{k}: {v}' for k, v in sorted(picked.by_shape.items()))} |")
 
 
 def main() -> None:
@@ -93,14 +116,16 @@ def main() -> None:
     for key, value in machine_info().items():
         print(f"{key}: {value}")
     print(f"device {device}; Newton-Schulz in {dtype}, 5 Polar Express steps; {args.repeats} interleaved rounds")
-    print("\n| model | matrix | in model | timed stack | gram path | standard ms | gram ms | speed-up (standard / gram) | multiply-add ratio |")
-    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("\n| model | matrix | in model | timed stack | gram path | standard ms | gram ms | speed-up (standard / gram) "
+          "| multiply-add ratio | auto picks (its start-up speed-up) |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for model in args.models:
         for row in shape_rows(model, stack, dtype, device, args.warmup, args.repeats):
             print(row, flush=True)
     if args.step_model:
-        print("\n| model | what | standard ms | gram ms | speed-up |")
-        print("| --- | --- | ---: | ---: | ---: |")
+        print("\n| model | what | standard ms | gram ms | auto ms | speed-up (standard / gram) "
+              "| auto vs the faster of the two (its time / auto's) | auto's choice |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
         print(step_row(args.step_model, dtype, device, args.warmup, args.repeats), flush=True)
     print(f"\nrounds kept {ROUND_STATS['kept']}, redone for foreign CPU load {ROUND_STATS['redone']}")
 

@@ -7,9 +7,11 @@ gpt_small: 6 layers, d_model 384, 6 heads of 64, 6 KV heads, ffn_hidden 1024; pe
 wq, wk, wv, wo [384, 384], w_gate, w_up [1024, 384], w_down [384, 1024] (42 matrices).
 gpt_124m: 12 layers, d_model 768, 12 heads of 64, ffn_hidden 2048 (84 matrices).
 
-On CUDA a third contender of ours runs with compile_updates (the elementwise work as fused
-compiled kernels, what trainer.compile=true uses there), and the step time is set against the
-Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
+On CUDA more contenders of ours run: with compile_updates (the elementwise work as fused
+compiled kernels, what trainer.compile=true uses there), with cuda_graphs (each stack's
+Newton-Schulz replayed as a CUDA graph, optim.muon.cuda_graphs), both, and both with
+ns_method=auto (Gram where it measured faster on this GPU, optim/ns_choice.py); each step time
+is set against the Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
 
 Measured in one run, all timings interleaved (every round steps each contender once, in
 turn, so slow drifts hit them alike; rounds during which other processes used the CPU are
@@ -39,6 +41,7 @@ import importlib  # noqa: E402
 
 import torch.optim._muon as torch_muon_module  # noqa: E402
 
+from optim import ns_choice  # noqa: E402
 from optim.muon import Muon  # noqa: E402
 from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
@@ -199,6 +202,21 @@ def main() -> None:
         if device.type == "cuda":
             contenders[f"ours {label} compiled"] = Muon(make_params(shapes, device), ns_dtype=ns,
                                                         compile_updates=True, **kw_ours).step
+            contenders[f"ours {label} graphs"] = Muon(make_params(shapes, device), ns_dtype=ns,
+                                                      cuda_graphs=True, **kw_ours).step
+            contenders[f"ours {label} compiled graphs"] = Muon(make_params(shapes, device), ns_dtype=ns,
+                                                               compile_updates=True, cuda_graphs=True, **kw_ours).step
+            auto = Muon(make_params(shapes, device), ns_dtype=ns, compile_updates=True, cuda_graphs=True,
+                        ns_method="auto", **kw_ours)
+            # Timed as it runs, through the graph path; the timing's graphs go before the steps'.
+            timer = ns_choice.device_timer(device, ns, steps, kw_ours["coefficients"], kw_ours["eps"],
+                                           auto.ns_shapes(), graphs=True)
+            picked = ns_choice.choose(auto.ns_shapes(), timer)
+            timer.release()
+            auto.set_ns_by_shape(picked.by_shape)
+            print(f"ns_method=auto on this device ({label}): " + ", ".join(
+                f"{k} {v} ({picked.speedups[k]:.2f}x)" for k, v in sorted(picked.by_shape.items())))
+            contenders[f"ours {label} compiled graphs auto"] = auto.step
         contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
@@ -219,10 +237,14 @@ def main() -> None:
     print("\n(ours: one stack per (rows, cols), processed in cache-sized runs on CPU; "
           "'one stack per shape' switches the runs off; 'one matrix at a time' is one Muon per matrix.)")
     if device.type == "cuda":
-        print("\n| NS dtype | ours, compile_updates ms | ours eager ms |")
-        print("|---|---:|---:|")
+        print("\n| NS dtype | ours eager ms | CUDA graphs ms | compile_updates ms | compile_updates + CUDA graphs ms "
+              "| + ns_method=auto ms | eager / graphs, paired | compiled / compiled + graphs, paired |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for label in args.dtypes:
-            print(f"| {label} | {t[f'ours {label} compiled'] * 1e3:.2f} | {t[f'ours {label}'] * 1e3:.2f} |")
+            cells = " | ".join(f"{t[f'ours {label}{suffix}'] * 1e3:.2f}"
+                               for suffix in ("", " graphs", " compiled", " compiled graphs", " compiled graphs auto"))
+            print(f"| {label} | {cells} | {paired_ratio(times, f'ours {label}', f'ours {label} graphs'):.2f}x "
+                  f"| {paired_ratio(times, f'ours {label} compiled', f'ours {label} compiled graphs'):.2f}x |")
 
     # --- state bytes ---------------------------------------------------------------------
     muon_p, adamw_p = make_params(shapes, device), make_params(shapes, device)
@@ -279,7 +301,10 @@ def main() -> None:
 
     print("\n## Optimizer step against its Newton-Schulz FLOP floor\n")
     print("The floor: this step's Newton-Schulz FLOPs at the measured matmul peak.\n")
-    variants = [("ours", "")] + ([("ours, compile_updates", " compiled")] if device.type == "cuda" else [])
+    variants = [("ours", "")] + ([("ours, compile_updates", " compiled"), ("ours, CUDA graphs", " graphs"),
+                                  ("ours, compile_updates + CUDA graphs", " compiled graphs"),
+                                  ("ours, all three + ns_method=auto", " compiled graphs auto")]
+                                 if device.type == "cuda" else [])
     print("| NS dtype | floor ms | " + " | ".join(f"{name} ms | x floor" for name, _ in variants) + " |")
     print("|---|---:|" + "---:|---:|" * len(variants))
     for label in args.dtypes:

@@ -119,11 +119,15 @@ class ReferenceGPT(nn.Module):
 
 
 class ReferenceTrainer:
-    """Model, AdamW and a fixed pool of random token batches; `step()` trains on the next."""
+    """Model, AdamW and a fixed pool of random token batches; `step()` trains on the next
+    `grad_accum` of them (micro-batches) and then steps the optimizer once."""
 
     def __init__(self, c: ReferenceConfig, batch_size: int, seq_len: int, precision: str,
                  compile: bool = False, device: str = "cpu", lr: float = 3e-3,
-                 weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0) -> None:
+                 weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0,
+                 grad_accum: int = 1) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1 (got {grad_accum})")
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.model = ReferenceGPT(c).to(self.device)
@@ -131,8 +135,8 @@ class ReferenceTrainer:
         # Fused: the whole AdamW step is one kernel, as a tuned plain loop would have it.
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                      betas=(0.9, 0.95), fused=True)
-        self.precision, self.grad_clip = precision, grad_clip
-        self.tokens_per_step = batch_size * seq_len
+        self.precision, self.grad_clip, self.grad_accum = precision, grad_clip, grad_accum
+        self.tokens_per_step = batch_size * seq_len * grad_accum
         # Random tokens: throughput does not depend on their values, and no data pipeline
         # is part of what this yardstick measures.
         data = torch.randint(0, c.vocab_size, (4, batch_size, seq_len + 1), device=self.device)
@@ -145,15 +149,20 @@ class ReferenceTrainer:
         return contextlib.nullcontext()
 
     def step(self) -> torch.Tensor:
-        x, y = self.batches[self.n % len(self.batches)]
-        self.n += 1
-        with self.autocast():
-            loss = self.forward(x, y)
-        loss.backward()
+        total = None
+        for _ in range(self.grad_accum):
+            x, y = self.batches[self.n % len(self.batches)]
+            self.n += 1
+            with self.autocast():
+                loss = self.forward(x, y)
+            # Without accumulation the loss is not divided, so the one-micro-batch step stays
+            # the bare step its operator count (tests/test_step_census.py) is held against.
+            (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total / self.grad_accum if self.grad_accum > 1 else total
 
 
 def main() -> None:

@@ -296,6 +296,19 @@ def test_a_qk_clip_run_is_labelled_with_its_tau_and_kept_apart_from_the_unclippe
     assert [arm.label for arm in group_arms([off, on])] == [off.label, on.label]
 
 
+@pytest.mark.parametrize("ns_method, label", [("standard", "muon"), ("gram", "muon+gram_ns"),
+                                               ("auto", "muon+auto_ns")])
+def test_each_newton_schulz_method_is_its_own_optimizer_setting(ns_method, label):
+    """auto runs Gram on some shapes only: neither plain Muon's arithmetic nor gram's."""
+    from eval.compare import optimizer_setting
+
+    assert optimizer_setting({"name": "muon", "muon": {"ns_method": ns_method}}) == label
+    assert optimizer_setting({"name": "muon", "cautious_wd": True, "muon": {"ns_method": ns_method, "normuon": True}}) \
+        == label.replace("muon", "muon+normuon+cautious_wd", 1)
+    assert optimizer_setting({"name": "muon"}) == "muon"  # configs from before ns_method
+    assert optimizer_setting({"name": "adamw", "muon": {"ns_method": ns_method}}) == "adamw"
+
+
 def test_a_sweep_of_one_optimizer_gets_its_table_with_the_best_lr_per_length(tmp_path):
     """Tuning one optimizer alone (AdamW's lr at a longer schedule): nothing to compare, but the
     table of finals is the result, with the best lr at each length marked."""

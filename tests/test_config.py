@@ -129,7 +129,7 @@ def test_cli_reports_bad_values_in_one_line_without_traceback(args, needle):
     ("optim.muon.coefficients=bogus", "error: optim.muon.coefficients: unknown value 'bogus'"),
     ("optim.muon.tp_mode=bogus", "error: optim.muon.tp_mode: unknown value 'bogus' (expected one of gather, gram)"),
     ("optim.muon.adjust_lr=bogus", "error: optim.muon.adjust_lr: unknown value 'bogus'"),
-    ("optim.muon.ns_method=bogus", "error: optim.muon.ns_method: unknown value 'bogus' (expected one of standard, gram)"),
+    ("optim.muon.ns_method=bogus", "error: optim.muon.ns_method: unknown value 'bogus' (expected one of standard, gram, auto)"),
     ("optim.muon.normuon_beta2=1.5", "error: optim.muon.normuon_beta2 must lie in [0, 1), got 1.5"),
     ("model.score_func=bogus", "error: model.score_func: unknown value 'bogus' (expected one of sigmoid, softmax)"),
     ("+trainer.max_step=3", "error: trainer.max_step: no such key (did you mean trainer.max_steps?)"),

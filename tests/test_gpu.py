@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, compose
+from tests.matmul_precision import true_fp32_matmuls  # noqa: F401 (a fixture, requested by name)
 from tests.test_faults import final_losses, launch, wait_for_step
 from tests.test_parallel_training import assert_tracks, read_metrics
 from trainer.config import to_dataclass
@@ -230,7 +231,10 @@ def test_compiled_non_logging_steps_never_make_the_host_wait(tmp_path, model, op
     assert result.kernels and result.kernels > 0
 
 
-def test_muon_compiled_updates_on_cuda_equal_the_eager_ones():
+def test_muon_compiled_updates_on_cuda_equal_the_eager_ones(true_fp32_matmuls):
+    """In true fp32: TF32 rounds Newton-Schulz's matmul inputs to 10 mantissa bits, so a
+    last-bit difference between the fused and the eager momentum can flip that rounding and
+    grow through the iterations (80% of elements off by up to 6.4e-5 on an H200)."""
     from optim.muon import Muon
     from tests.test_muon import _step_with
 
@@ -255,10 +259,19 @@ def test_muon_compiled_updates_on_cuda_equal_the_eager_ones():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_attention_head_max_equals_the_explicit_logits_on_cuda(dtype):
+def test_flex_attention_head_max_equals_the_explicit_logits_on_cuda(dtype, true_fp32_matmuls):
     """QK-clip's CUDA path: FlexAttention's in-kernel row maxima, output and gradients against
-    the explicit-logit attention that the CPU path (and CI) runs."""
+    the explicit-logit attention that the CPU path (and CI) runs.
+
+    No fixed tolerance: in bf16 both paths round to 8 mantissa bits at several places, and 3 of
+    a gradient's 131,072 elements once came out up to 0.0598 from the explicit path's where 0.05
+    was allowed, draws from the error's tail rather than a bug. Instead both are measured against
+    float64 attention from the same inputs, and FlexAttention must be about as close to it as
+    the explicit path is (tests/test_attention_accuracy.py: the bounds, and why). In fp32 with
+    TF32 off the same check holds both to fp32's own rounding, which TF32 would miss by far.
+    """
     from model.attention_logits import explicit_attention_with_head_max, flex_attention_with_head_max
+    from tests.test_attention_accuracy import assert_no_less_accurate, attention_fp64
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, 128, 64, device="cuda", dtype=dtype, requires_grad=True) for h in (8, 2, 2))
@@ -266,15 +279,15 @@ def test_flex_attention_head_max_equals_the_explicit_logits_on_cuda(dtype):
         q.mul_(3.0)  # logits of order 10, as where the clip matters
     out, head_max = flex_attention_with_head_max(q, k, v)
     ref, ref_max = explicit_attention_with_head_max(q, k, v)
-    assert head_max.shape == (8,)
-    torch.testing.assert_close(head_max, ref_max, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out, ref, **tol)
+    truth, true_max, leaves = attention_fp64(q, k, v)
+    assert head_max.shape == (8,) and out.dtype == dtype
+    assert_no_less_accurate("head max", head_max, ref_max, true_max)
+    assert_no_less_accurate("output", out, ref, truth)
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2 if dtype == torch.bfloat16 else 1e-3,
-                                   atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+    true_grads = torch.autograd.grad(truth.square().sum(), leaves)
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref_grads, true_grads):
+        assert_no_less_accurate(name, g, r, t)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -12,7 +12,7 @@ from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import poison_step
 from trainer import checkpoint
-from trainer.loop import PreemptionFlag
+from trainer.preemption import PreemptionFlag
 from trainer.mesh import Mesh
 
 # Smaller than tests/test_checkpoint.py's runs: these tests need a few steps, not a model.

@@ -10,6 +10,7 @@ import torch
 import torch.optim._muon as torch_muon_module
 
 import optim.muon as muon_module
+from eval.step_census import census
 from optim.muon import Muon
 
 NS = importlib.import_module("optim.newton_schulz")
@@ -357,3 +358,41 @@ def test_compiled_updates_equal_the_eager_ones(nesterov):
     for a, b in zip(fused, eager):
         torch.testing.assert_close(opt_fused.state[a]["momentum_buffer"], opt_eager.state[b]["momentum_buffer"],
                                    rtol=1e-6, atol=1e-7)
+
+
+# Each Newton-Schulz call on a stack launches, whatever the stack's size (as eval/step_census.py
+# counts ops: top-level aten ops that do work, each one kernel on a GPU):
+#   normalisation: ||G||_F (linalg_vector_norm), + eps (add_), G / that into X (div): 3
+#   standard, per step: A = X X^T (bmm), B = bA + cAA and X' = aX + BX (2 baddbmm): 5 x 3 = 15
+#   Gram (5 steps, restart after the 2nd), per restart segment R = X X^T and at its end Q X
+#     (2 x 2 bmm); per step Z = aI + bR + cR^2 (baddbmm, and add_ on the diagonal); Z Q in a
+#     segment's later steps (1 + 2, written `@`: matmul); Z R Z in all but a segment's last
+#     (2 x (1 + 2) matmul): 4 bmm + 9 matmul (13 batched GEMMs), 5 baddbmm, 5 add_
+# with fp32 parameters, fp32 iteration and the classic coefficients (no safety factor, no
+# cast): no other kernel. Three stacks, one square (standard either way), one wide, one tall.
+# On a GPU the whole call becomes one graph launch with cuda_graphs; this keeps the count
+# behind that launch from growing back unnoticed.
+NS_KERNELS = {
+    "standard": {"aten::linalg_vector_norm": 3, "aten::add_": 3, "aten::div": 3, "aten::bmm": 3 * 5,
+                 "aten::baddbmm": 3 * 10},
+    "gram": {"aten::linalg_vector_norm": 3, "aten::add_": 3 + 2 * 5, "aten::div": 3, "aten::bmm": 5 + 2 * 4,
+             "aten::matmul": 2 * 9, "aten::baddbmm": 10 + 2 * 5},
+}
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_newton_schulz_kernels_per_muon_step(method, monkeypatch):
+    # gpt_124m's three stacks in small: 768 x 768 (48), 768 x 2048 (12), 2048 x 768 (24).
+    shapes = [(16, 16)] * 4 + [(16, 40)] + [(40, 16)] * 2
+    params = _params(shapes)
+    for p, g in zip(params, _grads(params, steps=1)[0]):
+        p.grad = g
+    opt = Muon(params, lr=0.02, ns_dtype="fp32", ns_method=method)
+    calls = []
+    original = muon_module.newton_schulz
+    monkeypatch.setattr(muon_module, "newton_schulz", lambda *a, **k: calls.append((a, k)) or original(*a, **k))
+    opt.step()
+    assert len(calls) == 3  # one per stack
+    # The step's Newton-Schulz calls again, as one profiled step: only what they launch.
+    counted = census(lambda: [original(*a, **k) for a, k in calls], torch.device("cpu"), steps=1)
+    assert dict(counted.op_names) == NS_KERNELS[method]

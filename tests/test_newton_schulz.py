@@ -1,8 +1,10 @@
 """Newton-Schulz against the exact polar factor U V^T (fp64 SVD)."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import weakref
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from optim.newton_schulz import (
     muon_scale,
     newton_schulz,
 )
+
+from tests.matmul_precision import true_fp32_matmuls  # noqa: F401 (a fixture, requested by name)
 
 # The module itself (optim/__init__ keeps `optim.newton_schulz` free of re-exports, but be safe).
 NS = importlib.import_module("optim.newton_schulz")
@@ -63,15 +67,6 @@ def _composed(s, name, steps=5):
     return x
 
 
-@pytest.fixture
-def full_fp32_matmuls():
-    """fp32 means fp32, also after a CUDA trainer in this process turned TF32 on."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(before)
-
-
 # The same bounds hold on CUDA: bf16 tensor cores accumulate in fp32, like the CPU kernels.
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU")])
@@ -81,7 +76,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["classic", "polar_express"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_singular_values_in_band_and_vectors_match_svd(shape, name, dtype, device, full_fp32_matmuls):
+def test_singular_values_in_band_and_vectors_match_svd(shape, name, dtype, device, true_fp32_matmuls):
     G = _matrices(shape)
     O = newton_schulz(G.float().to(device), steps=5, coefficients=name, dtype=dtype)
     assert O.shape == G.shape and O.dtype == torch.float32 and O.device.type == device
@@ -278,3 +273,199 @@ def test_momentum_update(nesterov):
     for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
         torch.testing.assert_close(o.float(), e, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(b, eb)
+
+
+# ---------------------------------------------------------------- CUDA graphs (optim/ns_graphs.py)
+#
+# A recorded CUDA graph reruns its kernels on the tensors it was recorded with. On the CPU the
+# same contract is emulated: "recording" binds the eager iteration to those exact tensors and
+# "replay" reruns it on them. That checks everything but the recording itself: which calls
+# record, when a graph is replayed, the gate copied in before each replay, out aliasing G.
+# The gpu-marked tests below replay real graphs against the eager kernels.
+
+from optim import ns_graphs  # noqa: E402
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    monkeypatch.setattr(ns_graphs, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(ns_graphs, "_capture", lambda eager, G, out, keep: (lambda: eager(G, out, keep)))
+    ns_graphs.clear()
+    yield
+    ns_graphs.clear()
+
+
+def _replay_against_eager(device: str, dtype: torch.dtype, shape: tuple[int, ...], in_place: bool, gated: bool,
+                          method: str = "standard") -> None:
+    """Three calls through the graph path on the same buffers, new data (and gate) each
+    time, each equal to the eager iteration on the same input; exactly one graph recorded."""
+    gen = torch.Generator().manual_seed(11)
+    G = torch.empty(shape, device=device)
+    out = G if in_place else torch.empty(shape, device=device)
+    keeps = [1.0, 0.0, 1.0]
+    for call, keep_value in enumerate(keeps):
+        G.copy_(torch.randn(shape, generator=gen))
+        keep = torch.tensor(keep_value, device=device) if gated else None
+        expected = newton_schulz(G.clone(), 5, "polar_express", dtype, keep=keep, method=method)
+        got = newton_schulz(G, 5, "polar_express", dtype, out=out, keep=keep, method=method, graph=True)
+        assert got is out
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        if gated and keep_value == 0:
+            assert not got.any()
+        assert ns_graphs._CACHE.recorded == (0 if call == 0 else 1), call
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["out_is_G", "own_out"])
+@pytest.mark.parametrize("gated", [True, False], ids=["keep", "no_keep"])
+@pytest.mark.parametrize("shape, method", [((3, 24, 40), "standard"), ((3, 40, 24), "standard"), ((2, 24, 64), "gram")],
+                         ids=["wide", "tall", "gram"])
+def test_graph_path_replays_equal_eager_calls_emulated(emulated_graphs, shape, method, gated, in_place):
+    _replay_against_eager("cpu", torch.float32, shape, in_place, gated, method)
+
+
+def test_graph_path_records_nothing_for_moving_buffers_or_when_it_must_not(emulated_graphs, monkeypatch):
+    G = torch.randn(2, 16, 24)
+    expected = newton_schulz(G, 5, "classic", torch.float32)
+    outs = [torch.empty_like(G) for _ in range(3)]  # all alive: three addresses
+    for out in outs:  # another `out` every call: a graph recorded for one would never replay
+        torch.testing.assert_close(newton_schulz(G, 5, "classic", torch.float32, out=out, graph=True),
+                                   expected, rtol=0, atol=0)
+    assert ns_graphs._CACHE.recorded == 0
+    out = torch.empty_like(G)
+    monkeypatch.setattr(ns_graphs, "ENABLED", False)  # the switch for comparisons: all calls eager
+    for _ in range(3):
+        newton_schulz(G, 5, "classic", torch.float32, out=out, graph=True)
+    assert ns_graphs._CACHE.recorded == 0
+    monkeypatch.setattr(ns_graphs, "ENABLED", True)
+    # Under torch.compile's tracing the eager kernels must be traced, not a graph's replay.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not ns_graphs.usable(torch.device("cpu"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert ns_graphs.usable(torch.device("cpu")) and not ns_graphs.usable(torch.device("meta"))
+
+
+def test_a_changed_setting_records_its_own_graph(emulated_graphs):
+    G, out = torch.randn(2, 16, 24), torch.empty(2, 16, 24)
+    for coefficients in ("classic", "polar_express", "classic", "polar_express"):
+        got = newton_schulz(G, 5, coefficients, torch.float32, out=out, graph=True)
+        torch.testing.assert_close(got, newton_schulz(G, 5, coefficients, torch.float32), rtol=0, atol=0)
+    assert ns_graphs._CACHE.recorded == 2
+
+
+@contextlib.contextmanager
+def matmul_flag(name: str, value: bool):
+    """torch.backends.cuda.matmul.<name> = value for a block, then as it was."""
+    matmul = torch.backends.cuda.matmul
+    before = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
+
+
+@pytest.mark.parametrize("flag", ["allow_tf32", "allow_bf16_reduced_precision_reduction"])
+def test_a_changed_matmul_flag_records_its_own_graph(flag, monkeypatch, emulated_graphs):
+    """One job of a sweep records its graphs with TF32 off, the next turns it on: the second
+    must not replay the first's graph, whose GEMMs cuBLAS chose under the other flags."""
+    replayed = []  # the flag's value when each replayed graph was recorded
+
+    def capture(eager, G, out, keep):
+        recorded_under = getattr(torch.backends.cuda.matmul, flag)
+        return lambda: replayed.append(recorded_under) or eager(G, out, keep)
+
+    monkeypatch.setattr(ns_graphs, "_capture", capture)
+    G, out = torch.randn(2, 16, 24), torch.empty(2, 16, 24)
+    for value in (False, True):
+        with matmul_flag(flag, value):
+            for _ in range(2):  # eager, then recorded and replayed
+                newton_schulz(G, 5, "classic", torch.float32, out=out, graph=True)
+    assert replayed == [False, True]
+    assert ns_graphs._CACHE.recorded == 2
+
+
+def test_the_end_of_a_job_releases_the_graphs_and_the_kept_buffers(emulated_graphs):
+    """A sweep's next job must neither replay this job's graphs nor find its GPU memory held:
+    end_job drops both, and nothing else keeps the stacks alive."""
+    from optim.muon import Muon
+    from trainer import launch
+    from trainer.device import tf32_flags
+
+    params = [torch.nn.Parameter(torch.randn(16, 24)) for _ in range(3)]
+    opt = Muon(params, lr=0.02, ns_dtype="fp32", cuda_graphs=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    assert ns_graphs._CACHE.recorded == 1 and len(ns_graphs._CACHE.graphs) == 1
+    kept = list(NS._CPU_BUFFERS.cache.values())
+    assert any(b.shape == (3, 16, 24) for b in kept)  # the Muon stack the graph runs on
+    alive = [weakref.ref(b) for b in kept]
+    del kept
+    launch.end_job(None, True, tf32_flags())
+    assert not ns_graphs._CACHE.graphs and not ns_graphs._CACHE.seen and ns_graphs._CACHE.recorded == 0
+    assert not NS._CPU_BUFFERS.cache
+    assert [r() for r in alive] == [None] * len(alive)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_muon_with_cuda_graphs_equals_muon_without(device, dtype, true_fp32_matmuls, request):
+    """Three stacks (square, wide, tall) over four steps, the third skipped on the device;
+    emulated graphs on the CPU, real ones on CUDA."""
+    from optim.muon import Muon
+
+    if device == "cpu":
+        request.getfixturevalue("emulated_graphs")
+    ns_graphs.clear()
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(32, 32), (32, 32), (32, 80), (80, 32), (2, 80, 32)]
+    weights = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(device) for s in shapes] for _ in range(4)]
+    runs = {}
+    for graphs in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=dtype, ns_method="auto", cuda_graphs=graphs,
+                   ns_by_shape={"32x32": "standard", "32x80": "gram", "80x32": "standard"})
+        for step, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.found_inf = torch.tensor(float(step == 2), device=device)
+            opt.step()
+        runs[graphs] = [p.detach().cpu() for p in params]
+    for a, b in zip(runs[False], runs[True]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert ns_graphs._CACHE.recorded == 3  # one per stack, at the second step
+    ns_graphs.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["out_is_G", "own_out"])
+@pytest.mark.parametrize("shape, method", [((6, 96, 160), "standard"), ((6, 160, 96), "standard"),
+                                           ((4, 96, 256), "gram")], ids=["wide", "tall", "gram"])
+def test_cuda_graph_replays_equal_eager_calls(shape, method, in_place, dtype, true_fp32_matmuls):
+    ns_graphs.clear()
+    _replay_against_eager("cuda", dtype, shape, in_place, gated=True, method=method)
+    ns_graphs.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU")
+def test_graph_path_inside_someone_elses_capture_joins_it():
+    """Captures do not nest: inside an outer capture the iteration's kernels join that graph."""
+    ns_graphs.clear()
+    G = torch.randn(2, 64, 96, device="cuda")
+    expected = newton_schulz(G, 5, "classic", torch.bfloat16)
+    out = torch.empty_like(G)
+    newton_schulz(G, 5, "classic", torch.bfloat16, out=out, graph=True)  # warm-up, outside
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        newton_schulz(G, 5, "classic", torch.bfloat16, out=out, graph=True)
+    out.zero_()
+    outer.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert ns_graphs._CACHE.recorded == 0
+    ns_graphs.clear()

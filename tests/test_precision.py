@@ -16,9 +16,12 @@ from optim.muon import Muon
 from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_checkpoint import make_trainer
-from trainer import precision
-from trainer.config import to_dataclass
-from trainer.device import check_local_gpus
+from hydra.types import RunMode
+
+from tests.test_multirun import TINY, fake_hydra
+from trainer import launch, precision
+from trainer.config import ConfigError, to_dataclass, validate
+from trainer.device import TF32Flags, check_local_gpus, set_tf32, tf32_allowed, tf32_flags
 from trainer.mesh import Mesh, build_mesh
 
 CPU = torch.device("cpu")
@@ -167,3 +170,79 @@ def test_more_local_ranks_than_gpus_names_both_counts_and_the_cpu_way_out():
     check_local_gpus("cpu", local_ranks=4, gpus=1)
     check_local_gpus("auto", local_ranks=4, gpus=0)
     check_local_gpus("auto", local_ranks=2, gpus=2)
+
+
+# ---- trainer.tf32: TF32 for CUDA fp32 matmuls, one job at a time ----
+
+# torch's own defaults, and neither of the two states a job sets: a leak in either direction shows.
+PROCESS_TF32 = TF32Flags(matmul=False, cudnn=True)
+
+
+@pytest.fixture
+def process_tf32():
+    """PROCESS_TF32 for the test, and afterwards the flags as this pytest process had them."""
+    before = set_tf32(PROCESS_TF32)
+    yield PROCESS_TF32
+    set_tf32(before)
+
+
+def test_set_tf32_sets_both_cuda_flags_and_returns_the_ones_it_replaced(process_tf32):
+    onednn = torch.backends.mkldnn.matmul.fp32_precision
+    assert set_tf32(True) == process_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+    assert set_tf32(False) == TF32Flags(True, True)
+    assert tf32_flags() == TF32Flags(False, False)
+    assert set_tf32(process_tf32) == TF32Flags(False, False) and tf32_flags() == process_tf32
+    with pytest.raises(RuntimeError, match="inside"), tf32_allowed(True):
+        assert tf32_flags() == TF32Flags(True, True)
+        raise RuntimeError("inside")
+    assert tf32_flags() == process_tf32  # put back, also when the block raised
+    # CPU matmuls keep their own setting (torch.set_float32_matmul_precision would change it).
+    assert torch.backends.mkldnn.matmul.fp32_precision == onednn
+
+
+def test_each_job_of_a_sweep_runs_with_its_own_tf32_and_leaves_the_process_as_it_was(tmp_path, process_tf32):
+    """Two jobs in one process, in train.py's order of calls, as `train.py -m
+    trainer.tf32=true,false` runs them: TF32 on for the first must not reach the second (an
+    fp32 job would silently get TF32 matmuls), nor outlive the sweep."""
+    from trainer.loop import Trainer
+
+    seen = []
+    for num, tf32 in enumerate(["true", "false"]):
+        typed = to_dataclass(compose(TINY + [f"trainer.tf32={tf32}"]))
+        before = launch.start_job(typed, fake_hydra(RunMode.MULTIRUN))
+        trainer = Trainer(typed, tmp_path / str(num))
+        at_start = tf32_flags()
+        trainer.train()
+        at_end = tf32_flags()
+        launch.end_job(trainer.mesh, True, before)
+        seen.append((before, at_start, at_end, tf32_flags()))
+    on, off = TF32Flags(True, True), TF32Flags(False, False)
+    assert seen == [(process_tf32, on, on, process_tf32), (process_tf32, off, off, process_tf32)]
+
+
+@pytest.mark.parametrize("capability, tf32, override, says", [
+    ((9, 0), True, None, "fp32 matmuls in TF32 (trainer.tf32=true)"),
+    ((9, 0), False, None, "fp32 matmuls in true fp32 (trainer.tf32=false)"),
+    ((8, 0), True, "0", "fp32 matmuls in true fp32 (NVIDIA_TF32_OVERRIDE=0 overrides trainer.tf32=true)"),
+    ((7, 0), True, None, "fp32 matmuls in true fp32 (TF32 needs compute capability 8.0, this GPU has 7.0)"),
+])
+def test_the_start_up_line_says_how_cuda_runs_fp32_matmuls(monkeypatch, capability, tf32, override, says):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    if override is not None:
+        monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", override)
+    cfg = to_dataclass(compose(["optim=muon", "trainer.precision=fp32", "optim.muon.ns_dtype=fp32",
+                                f"trainer.tf32={str(tf32).lower()}"]))
+    _, line = precision.resolve_run_precisions(cfg, torch.device("cuda", 0), Mesh())
+    assert line == f"precision: fp32 training and Newton-Schulz (set explicitly); {says}"
+    # A CPU has no TF32: its line says nothing about it.
+    assert precision.resolve_run_precisions(cfg, CPU, Mesh())[1] == "precision: fp32 training and Newton-Schulz (set explicitly)"
+
+
+def test_a_tf32_that_is_not_a_bool_names_the_key():
+    cfg = to_dataclass(compose())
+    assert cfg.trainer.tf32 is True  # the default: TF32 where the GPU has it
+    cfg.trainer.tf32 = "no"
+    with pytest.raises(ConfigError, match=r"^trainer.tf32 must be true or false, got 'no'$"):
+        validate(cfg)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.config import DataConfig
 from model.config import ModelConfig
 from optim.config import OptimConfig
-from optim.muon import NS_DTYPES
+from optim.muon import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
 from optim.routing import ALL_KINDS
 
@@ -40,6 +40,11 @@ class TrainerConfig:
     # on CUDA (Ampere and newer) and on CPUs whose bf16 matmul is really faster than fp32
     # (measured at start-up), fp32 elsewhere. The start-up log says which, and why.
     precision: str = "auto"
+    # Whether fp32 matmuls on CUDA (every matmul under precision=fp32; under bf16 those outside
+    # autocast, e.g. fp32 Newton-Schulz) may run on TF32 tensor cores: about 3 decimal digits
+    # instead of 7, several times faster on Ampere and newer. false gives true fp32. Set for
+    # each job and put back after it, so a sweep's jobs do not inherit it. No effect on a CPU.
+    tf32: bool = True
     compile: bool = False
     # "auto" picks CUDA when available, else CPU.
     device: str = "auto"
@@ -204,6 +209,8 @@ def validate(cfg: TrainConfig) -> None:
             f"of model={m.name}"
         )
     _choice("trainer.precision", t.precision, ("auto", "bf16", "fp32"))
+    if not isinstance(t.tf32, bool):  # Hydra checks the type; a config built in Python may not
+        raise ConfigError(f"trainer.tf32 must be true or false, got {t.tf32!r}")
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
     _positive("trainer.nonfinite_max_consecutive", t.nonfinite_max_consecutive)
@@ -230,6 +237,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("optim.muon.adjust_lr", o.muon.adjust_lr, ADJUST_LR_MODES)
     _choice("optim.muon.tp_mode", o.muon.tp_mode, ("gather", "gram"))
     _choice("optim.muon.ns_method", o.muon.ns_method, NS_METHODS)
+    if (ns_problem := ns_by_shape_problem(o.muon.ns_method, o.muon.ns_by_shape)) is not None:
+        raise ConfigError(ns_problem)
     if not 0 <= o.muon.normuon_beta2 < 1:
         raise ConfigError(f"optim.muon.normuon_beta2 must lie in [0, 1), got {o.muon.normuon_beta2}")
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from typing import ContextManager
+from dataclasses import dataclass
+from typing import ContextManager, Iterator
 
 import numpy as np
 import torch
@@ -76,11 +77,45 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # seeds CUDA generators too
 
 
-def enable_fast_math(device: torch.device) -> None:
-    """TF32 matmuls on Ampere+ GPUs: fp32 runs stay fp32 on CPU, where tests check equality."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+@dataclass(frozen=True)
+class TF32Flags:
+    """Whether CUDA may run fp32 work on TF32 tensor cores (10-bit mantissa, fp32 range).
+
+    Process-wide: one job's setting holds for every later fp32 matmul of the process until
+    someone sets it again. Neither flag changes a CPU kernel.
+    """
+    matmul: bool  # cuBLAS: fp32 matmuls outside bf16 autocast
+    cudnn: bool  # cuDNN: fp32 convolutions (torch's default is True here, False for matmul)
+
+
+def tf32_flags() -> TF32Flags:
+    return TF32Flags(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def set_tf32(allowed: bool | TF32Flags) -> TF32Flags:
+    """Allow (or forbid) TF32 for fp32 matmuls and convolutions on CUDA, whatever the device
+    of this process; return the flags it replaced, for putting them back after the job.
+
+    Through allow_tf32 rather than the newer fp32_precision settings: torch.compile's inductor
+    reads torch.get_float32_matmul_precision(), which raises once the two APIs have been
+    mixed, and set_float32_matmul_precision("high") would also switch CPU oneDNN matmuls to
+    TF32 where the CPU has it.
+    """
+    before = tf32_flags()
+    flags = allowed if isinstance(allowed, TF32Flags) else TF32Flags(allowed, allowed)
+    torch.backends.cuda.matmul.allow_tf32 = flags.matmul
+    torch.backends.cudnn.allow_tf32 = flags.cudnn
+    return before
+
+
+@contextlib.contextmanager
+def tf32_allowed(allowed: bool) -> Iterator[None]:
+    """set_tf32 for the duration of a block, then the flags as they were."""
+    before = set_tf32(allowed)
+    try:
+        yield
+    finally:
+        set_tf32(before)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -24,8 +24,9 @@ from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from optim.newton_schulz import release_buffers
 from trainer.config import TrainConfig
-from trainer.device import seed_everything
+from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags
 from trainer.mesh import Mesh, destroy_mesh, release_subgroups, torch_env_from_slurm
 
 # conf/config.yaml puts this in place of the ${now:} stamp of the run and sweep dirs.
@@ -181,8 +182,12 @@ def share_cpu_threads(hydra_cfg: DictConfig) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def start_job(typed: TrainConfig, hydra_cfg: DictConfig) -> None:
-    """State a job must not inherit from the previous job of a sweep in this process."""
+def start_job(typed: TrainConfig, hydra_cfg: DictConfig) -> TF32Flags:
+    """State a job must not inherit from the previous job of a sweep in this process.
+
+    Returns the TF32 flags as they are before the job (the Trainer sets the job's own), for
+    end_job to put back.
+    """
     wandb = typed.logger.wandb
     if hydra_cfg.mode == RunMode.MULTIRUN:
         if wandb.group is None:
@@ -197,10 +202,16 @@ def start_job(typed: TrainConfig, hydra_cfg: DictConfig) -> None:
         wandb.name = typed.name
     share_cpu_threads(hydra_cfg)
     seed_everything(typed.seed)
+    return tf32_flags()
 
 
-def end_job(mesh: Mesh | None, multirun: bool) -> None:
-    """Leave nothing behind for the next job of a sweep: process groups, compiled graphs, wandb."""
+def end_job(mesh: Mesh | None, multirun: bool, tf32_before: TF32Flags) -> None:
+    """Leave nothing behind for the next job of a sweep: process groups, compiled graphs, wandb,
+    trainer.tf32 (back to `tf32_before`, what start_job found), and Muon's Newton-Schulz CUDA
+    graphs and kept buffers (optim.muon.cuda_graphs: their GPU memory, and graphs recorded
+    under this job's matmul flags)."""
+    set_tf32(tf32_before)
+    release_buffers()
     if not multirun:
         destroy_mesh()
     elif mesh is not None:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,7 +24,8 @@ from model.gpt import GPT
 from model.moe import balance_experts, reset_routing_stats
 from model.parallelize import parallelize_tp
 from model.tp_ops import all_reduce
-from optim.builder import build_optimizer
+from optim.builder import build_optimizer, muon_ns_shapes
+from optim.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
 from optim.schedule import lr_at
 from trainer import checkpoint
@@ -35,6 +34,7 @@ from trainer import run_env
 from trainer.config import TrainConfig
 from trainer.mesh import Mesh, init_mesh
 from trainer.precision import resolve_run_precisions
+from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks
@@ -91,49 +91,12 @@ def check_same_corpus(corpus_id: str, mesh: Mesh) -> None:
         )
 
 
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
-
-
-class PreemptionFlag:
-    """Turns SIGTERM / SIGINT into a flag checked between steps, so a preempted job saves a
-    checkpoint at a step boundary instead of dying mid-step. Ranks agree on it with one
-    tiny all-reduce per step, since a signal may reach them at different steps."""
-
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
-        self.flag = False
-        # Without a host group the flag travels on the training device: NCCL only reduces
-        # CUDA tensors.
-        self.device = device
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.flag = True
-
-    def raised(self, mesh: Mesh) -> bool:
-        if mesh.world_size == 1:
-            return self.flag
-        # Over the host group where there is one: reading a flag reduced on the GPU would make
-        # the host wait for the device's queue to drain, every step.
-        device = self.device if mesh.host_group is None else torch.device("cpu")
-        flag = torch.tensor([float(self.flag)], device=device)
-        with region("comm/world/all_reduce"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.host_group)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, mesh: Optional[Mesh] = None) -> None:
         self.run_dir = run_dir
         dev.use_deterministic_kernels(cfg.trainer.deterministic)
         self.device = dev.resolve_device(cfg.trainer.device, dev.local_rank())
-        dev.enable_fast_math(self.device)
+        dev.set_tf32(cfg.trainer.tf32)  # per job, like deterministic: a sweep's jobs share the process
         self.mesh = mesh if mesh is not None else init_mesh(
             cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
@@ -153,6 +116,15 @@ class Trainer:
         self.model = build_model(cfg, self.data.vocab_size, self.mesh, self.device)
         self.model_cfg = self.model.cfg
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # optim.muon.ns_method=auto: Gram or standard Newton-Schulz per matrix shape, timed once
+        # here (or kept from the checkpoint), then recorded in the config the optimizer is built from.
+        auto_ns = cfg.optim.name == "muon" and cfg.optim.muon.ns_method == "auto"
+        optim_cfg, ns_line = resolve_ns_method(
+            cfg.optim, muon_ns_shapes(self.model, cfg.optim, self.model_cfg, self.mesh) if auto_ns else {},
+            self.device, resumed["config"] if resumed is not None else None, self.mesh.host_group)
+        self.cfg = cfg = replace(cfg, optim=optim_cfg)
+        if ns_line is not None and self.mesh.is_main:
+            log.info(ns_line)
         self.forward = dev.maybe_compile(self.model, t.compile)
         # Compiling Muon's elementwise work pays where memory passes are the cost: on GPUs.
         self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh,

@@ -7,6 +7,7 @@ or AVX512 without its BF16 extension) a bf16 matmul runs about 20x slower than f
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -79,12 +80,25 @@ def _agree(choices: list[PrecisionChoice], device: torch.device, mesh: Mesh) -> 
             for c, f in zip(choices, flags.tolist())]
 
 
+def cuda_fp32_matmuls(device: torch.device, tf32: bool) -> Optional[str]:
+    """How fp32 matmuls run under trainer.tf32, for the start-up line; None off CUDA, where
+    TF32 does not exist. NVIDIA_TF32_OVERRIDE=0 is the driver's veto over torch's flag."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"fp32 matmuls in true fp32 (TF32 needs compute capability 8.0, this GPU has {major}.{minor})"
+    if tf32 and os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return "fp32 matmuls in true fp32 (NVIDIA_TF32_OVERRIDE=0 overrides trainer.tf32=true)"
+    return f"fp32 matmuls in {'TF32' if tf32 else 'true fp32'} (trainer.tf32={str(tf32).lower()})"
+
+
 def resolve_run_precisions(
     cfg: TrainConfig, device: torch.device, mesh: Mesh, resumed: Optional[dict[str, Any]] = None
 ) -> tuple[TrainConfig, str]:
     """`cfg` with trainer.precision and optim.muon.ns_dtype resolved (so the checkpoint, the
     logged config and resolved_config.yaml record what ran), and the start-up line saying
-    what was chosen and why.
+    what was chosen and why (on CUDA also whether fp32 matmuls run in TF32).
 
     `resumed` is the config of the checkpoint this run continues: "auto" keeps what that run
     chose, so a resume (on another machine, or after a measurement that came out the other
@@ -109,6 +123,9 @@ def resolve_run_precisions(
         line = f"precision: {parts[0][0]} training and Newton-Schulz ({parts[0][2]})"
     else:
         line = "precision: " + "; ".join(f"{p} {n} ({why})" for p, n, why in parts)
+    matmuls = cuda_fp32_matmuls(device, cfg.trainer.tf32)
+    if matmuls is not None:
+        line += f"; {matmuls}"
     muon = cfg.optim.muon
     if "Newton-Schulz" in chosen:
         muon = replace(muon, ns_dtype=chosen["Newton-Schulz"].precision)
