@@ -18,6 +18,65 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # Two cores: keep intra-op threads fixed so timings and reductions are repeatable.
 torch.set_num_threads(2)
 
+# Whether pytest_configure hid the GPUs, and CUDA_VISIBLE_DEVICES as the run found it.
+CUDA_HIDDEN = pytest.StashKey[bool]()
+CUDA_FOUND = pytest.StashKey["str | None"]()
+
+
+def gpu_tests_excluded(markexpr: str) -> bool:
+    """Whether the `-m` expression selects no test marked gpu, whatever its other markers.
+
+    "not slow and not gpu" (make test) and "slow and not gpu" (make test-slow) exclude them;
+    "gpu", "not slow" and no expression (make test-all) do not.
+    """
+    from _pytest.mark.expression import Expression
+
+    if not markexpr.strip():
+        return False  # no -m: every test is selected
+    expression = Expression.compile(markexpr)
+    names = {"gpu"}
+    while True:
+        # Every combination of the markers the expression asks about, gpu always present;
+        # a marker it asks about only in some combinations joins the set, and all are tried again.
+        asked: set[str] = set()
+        others = sorted(names - {"gpu"})
+        for bits in range(2 ** len(others)):
+            present = {"gpu"} | {name for i, name in enumerate(others) if bits >> i & 1}
+
+            def matcher(name: str, **kwargs) -> bool:
+                asked.add(name)
+                return name in present
+
+            if expression.evaluate(matcher):
+                return False
+        if asked <= names:
+            return True
+        names |= asked
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A run that selects no gpu test checks the same thing on every machine: hide the GPUs
+    # from it and from every process it starts (spawned gloo ranks, train.py, torchrun), so
+    # that trainer.device=auto, precision=auto and device counts read as on a CPU-only host.
+    # Here, before any test module is imported: CUDA reads the variable once, at its first use
+    # in a process (import torch does not use it), and test modules ask torch.cuda at import.
+    config.stash[CUDA_FOUND] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    config.stash[CUDA_HIDDEN] = gpu_tests_excluded(config.getoption("markexpr") or "")
+    if config.stash[CUDA_HIDDEN]:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.stash[CUDA_HIDDEN]:
+        return "CUDA hidden (CUDA_VISIBLE_DEVICES=''): the -m expression selects no gpu test"
+    return f"CUDA_VISIBLE_DEVICES as found: {config.stash[CUDA_FOUND]!r}"
+
+
+@pytest.fixture
+def cuda_visibility(request) -> tuple[bool, "str | None"]:
+    """(whether this run hid the GPUs, CUDA_VISIBLE_DEVICES as the run found it)."""
+    return request.config.stash[CUDA_HIDDEN], request.config.stash[CUDA_FOUND]
+
 
 def requires(module: str, what: str) -> pytest.MarkDecorator:
     """Skip, saying why, where an installed-by-requirements package is missing.

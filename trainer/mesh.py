@@ -14,6 +14,12 @@ from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions' `group=group.WORLD` defaults are
+# evaluated at import, so a first import after init (torch.distributed.checkpoint pulls it in)
+# would keep the default group, and gloo's worker threads, alive past destroy_process_group
+# into interpreter shutdown, where a worker freeing a finished collective's tensors aborts
+# the process (SIGABRT, "terminate called without an active exception").
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.rendezvous import rendezvous
 
 from model.comm import label_group
