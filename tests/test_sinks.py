@@ -84,7 +84,8 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
         def finish(self):
             calls.append(("finish",))
 
-    fake = types.SimpleNamespace(init=lambda **kwargs: calls.append(("init", kwargs)) or FakeRun())
+    fake = types.SimpleNamespace(init=lambda **kwargs: calls.append(("init", kwargs)) or FakeRun(),
+                                 teardown=lambda: calls.append(("teardown",)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="offline", project="p", group="sweep",
                                                             name="adamw_gpt_tiny optim.lr=0.001"))
@@ -96,6 +97,9 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
     assert ("define_metric", "tokens", {}) in calls
     assert ("define_metric", "*", {"step_metric": "tokens"}) in calls
     assert ("log", {"tokens": 100, "train/loss": 5.0}, 1) in calls
+    # finish() only informs wandb's service; teardown() waits until it has written the run's
+    # file (without it, 1 close in 6 left the offline .wandb file holding only its header).
+    assert calls[-2:] == [("finish",), ("teardown",)]
 
 
 # Installed first on sys.meta_path by a sitecustomize.py on PYTHONPATH, so that `import wandb`

@@ -99,4 +99,12 @@ class MetricSinks:
             self.tb.file_writer.add_summary(self.tb_session_end)
             self.tb.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
+            # finish() only tells wandb's service process that the run is over; the service
+            # closes the run's .wandb file later, and 1 close in 6 returned with only its
+            # 7-byte header on disk. teardown() waits for the service to exit, so the offline
+            # run is complete (ready for `wandb sync`) when the sinks are closed. The next job of
+            # a multirun starts a fresh service.
+            wandb.teardown()
