@@ -127,13 +127,22 @@ _POOLS: dict[torch.device, Any] = {}
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _stream_and_pool(device: torch.device) -> tuple[torch.cuda.Stream, Any]:
+    """The side stream graphs of `device` are recorded on (made once), and the memory pool they
+    share (made again after clear() dropped the last one: the next job of a sweep records into a
+    new pool, on the same stream)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _STREAMS[device], _POOLS[device]
+
+
 def _capture_cuda(eager: Eager, G: Tensor, out: Tensor, keep: Tensor | None) -> Callable[[], None]:
     """Records eager(G, out, keep) as a CUDA graph; returns its replay."""
     device = G.device
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    stream, current = _STREAMS[device], torch.cuda.current_stream(device)
+    stream, pool = _stream_and_pool(device)
+    current = torch.cuda.current_stream(device)
     # Warm-up (cuBLAS handles and workspaces for the capture stream) on copies: G and out
     # must keep their contents, since `out` may be G itself.
     stream.wait_stream(current)
@@ -145,7 +154,7 @@ def _capture_cuda(eager: Eager, G: Tensor, out: Tensor, keep: Tensor | None) -> 
     del scratch_G, scratch_out
     graph = torch.cuda.CUDAGraph()
     # thread_local: asynchronous collectives that other code left in flight do not break it.
-    with torch.cuda.graph(graph, pool=_POOLS[device], stream=stream, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         eager(G, out, keep)
     return graph.replay
 

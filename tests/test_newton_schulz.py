@@ -408,6 +408,31 @@ def test_the_end_of_a_job_releases_the_graphs_and_the_kept_buffers(emulated_grap
     assert [r() for r in alive] == [None] * len(alive)
 
 
+def test_the_next_job_records_into_a_new_pool_on_the_same_stream(monkeypatch):
+    """Before: clear() dropped the memory pools but kept the streams, and the first recording
+    after it looked up the dropped pool (KeyError): the second job of a sweep with
+    optim.muon.cuda_graphs=true crashed, and so did every gpu test after a CPU one had cleared."""
+    made = {"streams": 0, "pools": 0}
+
+    def stream(device):
+        made["streams"] += 1
+        return ("stream", made["streams"])
+
+    def pool():
+        made["pools"] += 1
+        return ("pool", made["pools"])
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", pool)
+    monkeypatch.setattr(ns_graphs, "_STREAMS", {})
+    monkeypatch.setattr(ns_graphs, "_POOLS", {})
+    device = torch.device("cuda", 0)
+    first = ns_graphs._stream_and_pool(device)
+    assert ns_graphs._stream_and_pool(device) == first == (("stream", 1), ("pool", 1))
+    ns_graphs.clear()
+    assert ns_graphs._stream_and_pool(device) == (("stream", 1), ("pool", 2))
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_muon_with_cuda_graphs_equals_muon_without(device, dtype, true_fp32_matmuls, request):
