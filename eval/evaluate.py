@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from model.gpt import GPT
-from model.tp_ops import Group, all_reduce
+from parallel.tp_ops import Group, all_reduce
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from model.tp_ops import Group, all_reduce
+from parallel.tp_ops import Group, all_reduce
 from optim.routing import kind_of
 
 

@@ -17,7 +17,7 @@ Designs, per optimizer step and per rank:
 
 Conventions: gradients and parameters move in fp32 (4 bytes); the baselines' extra momentum
 gathers in bf16 (2 bytes), as Moonlight and the Megatron proof of concept do. Byte counts are
-the full buffer of each collective (model/comm.py). TP bytes are the Newton-Schulz TP traffic
+the full buffer of each collective (parallel/comm.py). TP bytes are the Newton-Schulz TP traffic
 of tp_mode=gather (the momentum all-gather of TP-sharded matrices). Newton-Schulz FLOPs:
 5 steps of 4 m^2 n + 2 m^3 per m x n matrix (m <= n), on full matrices.
 """
@@ -36,7 +36,7 @@ from eval.flops import train_flops_per_token
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.parallelize import tp_split_dim
-from model.tp_layers import padded_vocab
+from parallel.tp_layers import padded_vocab
 from optim.routing import route_parameters
 from optim.zero_plan import ParamSpec, ZeroPlan, build_plan
 

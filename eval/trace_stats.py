@@ -2,7 +2,7 @@
 
 The trainer marks each profiled optimizer step as a `ProfilerStep#<step>` region and its
 phases as `forward_backward`, `grad_sync`, `optimizer`, `eval` (and `checkpoint`); every
-collective is a `comm/<group>/<op>` region (model/comm.py). This module splits each step's
+collective is a `comm/<group>/<op>` region (parallel/comm.py). This module splits each step's
 wall time into disjoint parts that add up to the step:
 
     comm       inside a collective (our comm/ regions and the backend's own events)

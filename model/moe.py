@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.comm import Group, all_reduce, group_size
-from model.tp_ops import copy_to_tp, reduce_from_tp
+from parallel.comm import Group, all_reduce, group_size
+from parallel.tp_ops import copy_to_tp, reduce_from_tp
 from model.config import ModelConfig
 
 

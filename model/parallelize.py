@@ -10,19 +10,53 @@ from __future__ import annotations
 from torch import nn
 
 from model.config import ModelConfig
-from model.gpt import GPT
-from model.moe import MoE
-from model.tp_layers import (
-    ColumnParallelLinear,
-    ReplicatedNorm,
-    RowParallelLinear,
-    TPExperts,
-    TPHeadNorm,
-    TPInputNorm,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-)
-from model.tp_ops import Group, group_size
+from model.gpt import GPT, RMSNorm
+from model.moe import Experts, MoE
+from parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, shard
+from parallel.tp_ops import Group, copy_to_tp, group_size
+
+
+# The model's own layers as TP shards: the generic TP layers live in parallel/tp_layers.py.
+
+
+class ReplicatedNorm(RMSNorm):
+    """An RMSNorm copied from the full model, the same on every TP rank."""
+
+    def __init__(self, full: RMSNorm, group: Group) -> None:
+        super().__init__(full.weight.shape[0], full.eps)
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.weight.tp_split_dim = None
+        self.group = group
+
+
+class TPInputNorm(ReplicatedNorm):
+    """A norm whose output feeds column-parallel layers: `copy_to_tp` sums the output's
+    gradient over TP ranks, so gamma's gradient is identical on every rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(super().forward(x), self.group)
+
+
+class TPHeadNorm(ReplicatedNorm):
+    """QK-norm over head_dim: one gamma shared by all heads while each rank sees only its own
+    heads, so gamma's gradient is summed over TP ranks (copy_to_tp on the weight)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalise(x, copy_to_tp(self.weight, self.group))
+
+
+class TPExperts(nn.Module):
+    """Routed experts with each expert's hidden units split over TP, as in the dense MLP:
+    gate/up [E, hidden/T, d] (column-parallel), down [E, d, hidden/T] (row-parallel; the MoE
+    layer all-reduces the combined output once)."""
+
+    def __init__(self, full: nn.Module, group: Group) -> None:
+        super().__init__()
+        self.w_gate = shard(full.w_gate, 1, group)
+        self.w_up = shard(full.w_up, 1, group)
+        self.w_down = shard(full.w_down, 2, group)
+
+    forward = Experts.forward
 
 
 def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:

@@ -16,7 +16,7 @@ from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import muon_split_rows, route_parameters
 from optim.zero import ZeroOptimizer
-from trainer.mesh import Mesh
+from parallel.mesh import Mesh
 
 
 class MuonWithAdamW(OptimizerSet):

@@ -6,7 +6,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from model.tp_ops import all_reduce, group_size
+from parallel.tp_ops import all_reduce, group_size
 
 
 def average_gradients(params: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:

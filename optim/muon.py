@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from model.comm import all_gather_into, group_rank, group_size
+from parallel.comm import all_gather_into, group_rank, group_size
 from optim.newton_schulz import (
     ADJUST_LR_MODES,
     COEFFICIENTS,
@@ -50,7 +50,7 @@ from optim.newton_schulz import (
 )
 from optim import muon_fused, normuon
 from optim.newton_schulz_tp import newton_schulz_sharded
-from trainer.precision import resolve_precision
+from eval.fast_dtype import resolve_precision
 
 NS_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -103,7 +103,7 @@ def _validate_group(group: dict[str, Any]) -> None:
             f"(expected classic or polar_express)"
         )
     if group["ns_dtype"] == "auto":
-        # The device's fast dtype (trainer/precision.py). The defaults have no parameters yet:
+        # The device's fast dtype (eval/fast_dtype.py). The defaults have no parameters yet:
         # they keep "auto", and each group resolves it on its own parameters' device.
         if group["params"]:
             group["ns_dtype"] = resolve_precision("auto", group["params"][0].device).precision

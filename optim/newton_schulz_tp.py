@@ -6,7 +6,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from model.comm import Group, all_reduce
+from parallel.comm import Group, all_reduce
 from optim.newton_schulz import NORM_SAFETY, NSShape, check_iteration, coefficients_for, gram_segments, use_gram
 
 

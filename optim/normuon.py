@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.comm import Group, all_reduce
+from parallel.comm import Group, all_reduce
 
 # Added to sqrt(v) (the paper's epsilon). v is a mean square of O's entries, about
 # 1 / max(rows, cols), so this only matters for an all-zero update (a skipped step).

@@ -37,6 +37,7 @@ from optim.config import OptimConfig
 from optim.muon import parse_ns_dtype
 from optim.newton_schulz import NSShape, newton_schulz
 from optim.newton_schulz_tp import newton_schulz_sharded
+from parallel.comm import broadcast_object, group_size, world
 
 # timer(shape, method) -> seconds of one Newton-Schulz call on a small stack of `shape` with
 # `method` ("standard" or "gram"). Injectable, so the choice can be tested without timing. A
@@ -156,7 +157,7 @@ def choose(shapes: Iterable[NSShape], timer: Timer, rounds: int = ROUNDS) -> Mea
 def _world(group: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(), dist.get_world_size(group)
+    return dist.get_rank(), group_size(group)
 
 
 def device_name(device: torch.device) -> str:
@@ -186,7 +187,8 @@ def resolve_ns_method(
     missing = [s for s in counts if s.key not in given and s.key not in kept]
     measured = Measured({}, {})
     if missing:
-        rank, world = _world(group)
+        group = group if group is not None else world()
+        rank, world_size = _world(group)
         cause: Optional[Exception] = None
         if rank == 0:
             try:
@@ -202,10 +204,8 @@ def resolve_ns_method(
             except Exception as err:  # the other ranks are waiting in the broadcast below
                 cause, text = err, str(err).strip()
                 measured = Measured({}, {}, type(err).__name__ + (f": {text.splitlines()[0]}" if text else ""))
-        if world > 1:
-            box = [measured]
-            dist.broadcast_object_list(box, src=0, group=group)
-            measured = box[0]
+        if world_size > 1:
+            measured = broadcast_object(measured, 0, group, "setup")
         if measured.error is not None:
             raise MeasurementError(failure_line(measured.error)) from cause
     by_shape = {**kept, **given, **measured.by_shape}

@@ -19,7 +19,7 @@ Where it runs, and what it sends:
 - Data parallel: the ranks saw different batches, so the maxima are all-reduced (MAX) over DP
   first; every rank then computes the same factors and scales its own full copy of the
   weights after ZeRO-1's all-gather. That is L x H_local fp32 per step over DP (counted by
-  model/comm.py as comm/dp/all_reduce), and no traffic between owners.
+  parallel/comm.py as comm/dp/all_reduce), and no traffic between owners.
 - Tensor parallel: heads are split over TP and a head's logits depend only on its own rows,
   so each TP rank clips the heads it holds; nothing is sent over TP (the logged totals, read
   at logging steps only, are the one exception).
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from model.comm import Group, all_reduce
+from parallel.comm import Group, all_reduce
 
 
 class QKClip:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from model.comm import all_gather_async, all_reduce, group_size, reduce_scatter_into
+from parallel.comm import all_gather_async, all_reduce, group_size, reduce_scatter_into
 from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
@@ -28,7 +28,7 @@ from optim.muon import Muon, matrix_layout, tp_gather_dim
 from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
 from optim.routing import muon_split_rows, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
-from trainer.mesh import Mesh
+from parallel.mesh import Mesh
 
 log = logging.getLogger("optim")
 

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, model: str, batch: int, seq_len: int, steps: 
 
     from trainer.config import register_configs, to_dataclass
     from trainer.loop import Trainer
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

@@ -7,7 +7,7 @@ The designs (adamw-zero1, muon-ours, moonlight, megatron-poc) and their conventi
 described in eval/scale_plan.py, which computes every row from the layouts; this script prints
 them, and measures our row: each layout with world size <= --max-world is run for real (gloo,
 spawned processes, one optimizer step of the real ZeroOptimizer on random gradients); the bytes
-counted by model/comm.py and the real plan's per-rank Newton-Schulz load must equal the
+counted by parallel/comm.py and the real plan's per-rank Newton-Schulz load must equal the
 computed ones. scripts/plan_scale.py adds memory and predicted times, from 8 to 1,024 GPUs.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from model.gpt import GPT  # noqa: E402
 
 
 def _measure_worker(rank: int, world: int, cfg: ModelConfig, tp: int) -> dict[str, float]:
-    from model.comm import COUNTER
+    from parallel.comm import COUNTER
     from model.parallelize import parallelize_tp
     from optim.config import OptimConfig
     from optim.zero import ZeroOptimizer
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     mesh = build_mesh(tp)
     torch.manual_seed(0)

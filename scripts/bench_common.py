@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from optim.builder import muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
 from optim.newton_schulz import gram_macs, standard_macs, use_gram
-from trainer.mesh import Mesh
+from parallel.mesh import Mesh
 
 # ----------------------------------------------------------------------------- machine
 

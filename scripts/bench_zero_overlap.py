@@ -9,7 +9,7 @@ gloo. A round gives every setting one step, in turn: random gradients, prepare_g
 reduce-scatter, untimed), a barrier, then the timed optimizer step including its parameter
 all-gather. A step's time is the slowest rank's. Reported: the median per setting, the
 median over rounds of the per-round ratio to one bucket (robust to drifts that hit a whole
-round), and the time ranks spent blocked in collectives during the step (model/comm.py).
+round), and the time ranks spent blocked in collectives during the step (parallel/comm.py).
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def _worker(rank: int, world: int, preset: str, vocab: int, tp: int, buckets: li
             ns_dtype: str, warmup: int, rounds: int) -> dict[int, tuple[list[float], list[float]]]:
     from dataclasses import replace
 
-    from model.comm import COUNTER
+    from parallel.comm import COUNTER
     from model.gpt import GPT
     from model.parallelize import parallelize_tp
     from optim.config import MuonConfig, OptimConfig
     from optim.zero import ZeroOptimizer
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     cfg = model_config(preset, vocab)
     mesh = build_mesh(tp)

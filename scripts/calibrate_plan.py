@@ -61,12 +61,12 @@ def _worker(rank: int, world: int, cfg: ModelConfig, tp: int, batch: int, seq_le
     import torch.distributed as dist
 
     import torch.nn.functional as F
-    from model.comm import all_gather_into
+    from parallel.comm import all_gather_into
     from model.gpt import GPT
     from model.parallelize import parallelize_tp
     from optim.builder import build_optimizer
     from optim.config import OptimConfig
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     torch.set_num_threads(1)
     mesh = build_mesh(tp)

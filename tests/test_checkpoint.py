@@ -132,7 +132,7 @@ def test_tp_placement_drops_the_vocabulary_padding():
 
 
 def _async_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> None:
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     make_trainer(Path(run_dir), overrides, build_mesh(1)).train()
 
@@ -198,7 +198,7 @@ def test_checkpoint_of_another_model_shape_lists_the_differing_keys(tmp_path):
 
 
 def _layout_worker(rank: int, world: int, run_dir: str, overrides: list[str], mode: str) -> None:
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(COMMON + overrides))
     mesh = build_mesh(cfg.parallel.tp)

@@ -326,7 +326,7 @@ def test_a_library_with_none_of_the_pinned_text_says_where_it_looked(libraries):
 
 def _gather_corpus_ids(rank: int, world_size: int) -> str:
     from trainer.loop import check_same_corpus
-    from trainer.mesh import Mesh
+    from parallel.mesh import Mesh
 
     mesh = Mesh(rank=rank, world_size=world_size)
     check_same_corpus("aaaaaaaaaaaa", mesh)  # every rank agrees: no error

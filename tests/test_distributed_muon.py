@@ -6,7 +6,7 @@ from typing import Callable
 import pytest
 import torch
 
-from model.comm import COUNTER
+from parallel.comm import COUNTER
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.parallelize import parallelize_tp
@@ -15,7 +15,7 @@ from optim.config import MuonConfig, OptimConfig
 from optim.zero_plan import ParamSpec, build_plan
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gathered
-from trainer.mesh import Mesh, build_mesh
+from parallel.mesh import Mesh, build_mesh
 
 VOCAB = 97
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32, vocab_size=VOCAB)

@@ -187,7 +187,7 @@ def train_run(run_dir: Path, tp: int, mesh=None) -> None:
 
 def train_two_process_layouts(rank: int, world: int, root: str) -> None:
     """Both two-process layouts in one spawn: starting processes costs more than training."""
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     for name, (size, tp) in LAYOUTS.items():
         if size == world:

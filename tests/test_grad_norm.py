@@ -13,7 +13,7 @@ import torch
 from eval.step_census import census
 from optim.grad_ops import global_grad_norm, sum_of_squares
 from tests.distributed import run_distributed
-from trainer.mesh import build_mesh
+from parallel.mesh import build_mesh
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU")])]

@@ -12,8 +12,9 @@ from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import poison_step
 from trainer import checkpoint
+from trainer import preemption
 from trainer.preemption import PreemptionFlag
-from trainer.mesh import Mesh
+from parallel.mesh import Mesh
 
 # Smaller than tests/test_checkpoint.py's runs: these tests need a few steps, not a model.
 SMALL = ["trainer.seq_len=32", "eval.batches=1", "eval.batch_size=2"]
@@ -53,18 +54,21 @@ def test_preemption_flag_is_reduced_on_the_training_device(monkeypatch):
     # collective that records the device. "meta" is a device no CPU default would match.
     seen = {}
 
-    def all_reduce(tensor, op=None, group=None):
-        seen["device"] = tensor.device
+    def all_reduce(tensor, group, op=None, label=None):
+        seen.update(device=tensor.device, group=group, label=label)
         raise _Seen
 
-    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    # Through the counted collectives, over the default group.
+    world = object()
+    monkeypatch.setattr(preemption, "all_reduce", all_reduce)
+    monkeypatch.setattr(preemption, "world", lambda: world)
     flag = PreemptionFlag(torch.device("meta"))
     try:
         with pytest.raises(_Seen):
             flag.raised(Mesh(rank=0, world_size=2))
     finally:
         flag.restore()
-    assert seen["device"] == torch.device("meta")
+    assert seen == {"device": torch.device("meta"), "group": world, "label": "preemption"}
 
 
 def test_preemption_flag_goes_over_the_host_group_where_there_is_one(monkeypatch):
@@ -72,11 +76,11 @@ def test_preemption_flag_goes_over_the_host_group_where_there_is_one(monkeypatch
     # is a CPU tensor reduced there, so reading it never waits for the GPU's queue.
     seen = {}
 
-    def all_reduce(tensor, op=None, group=None):
-        seen["device"], seen["group"] = tensor.device, group
+    def all_reduce(tensor, group, op=None, label=None):
+        seen.update(device=tensor.device, group=group, label=label)
         raise _Seen
 
-    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(preemption, "all_reduce", all_reduce)
     host_group = object()
     flag = PreemptionFlag(torch.device("meta"))
     try:
@@ -84,7 +88,7 @@ def test_preemption_flag_goes_over_the_host_group_where_there_is_one(monkeypatch
             flag.raised(Mesh(rank=0, world_size=2, host_group=host_group))
     finally:
         flag.restore()
-    assert seen == {"device": torch.device("cpu"), "group": host_group}
+    assert seen == {"device": torch.device("cpu"), "group": host_group, "label": "preemption"}
 
 
 def logged_tokens(run_dir: Path) -> dict[int, int]:

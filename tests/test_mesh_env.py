@@ -1,11 +1,12 @@
-"""SLURM tasks as torch ranks: the env:// variables trainer/mesh.py derives from SLURM's."""
+"""SLURM tasks as torch ranks: the env:// variables parallel/slurm.py derives from SLURM's."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from trainer.mesh import adopt_slurm_env, first_host, tasks_on_node, torch_env_from_slurm, world_size_from_env
+from parallel.mesh import world_size_from_env
+from parallel.slurm import adopt_slurm_env, first_host, tasks_on_node, torch_env_from_slurm
 
 # Task 5 of an 8-task step over two nodes, as srun (and so the submitit launcher) sets it.
 SRUN_TASK = {

@@ -17,7 +17,7 @@ from optim.config import MuonConfig, OptimConfig
 from optim.muon import Muon
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gathered
-from trainer.mesh import Mesh, build_mesh
+from parallel.mesh import Mesh, build_mesh
 
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32,
                   vocab_size=61, n_experts=4, top_k=2, n_shared_experts=1, expert_hidden=16,

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from model.comm import COUNTER
+from parallel.comm import COUNTER
 from optim import newton_schulz as NS
 from optim.muon import Muon
 from optim.newton_schulz import gram_macs, gram_pays, newton_schulz, muon_scale, standard_macs

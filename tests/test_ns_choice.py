@@ -298,7 +298,7 @@ def _agree_worker(rank: int, world: int) -> dict:
     iteration (tp_mode=gram) would disagree across the ranks of one matrix."""
     from model.parallelize import parallelize_tp
     from model.gpt import GPT
-    from trainer.mesh import Mesh, build_mesh
+    from parallel.mesh import Mesh, build_mesh
 
     def timer(shape, method):
         return (0.5 if rank == 0 else 2.0) if method == "gram" else 1.0

@@ -35,7 +35,7 @@ def train_in_process(run_dir: Path, overrides: list[str]) -> list[dict]:
 
 def _train_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> None:
     from trainer.loop import Trainer
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(COMMON + overrides))
     Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp)).train()
@@ -115,6 +115,8 @@ def test_dp2_tp2_muon_tracks_the_single_process_run_and_logs_comm(tmp_path):
     assert last["comm/dp/reduce_scatter_calls"] == last["comm/dp/all_gather_calls"] == 1
     assert last["comm/dp/reduce_scatter_bytes"] == last["comm/dp/all_gather_bytes"] > 0
     assert last["comm/tp/all_reduce_bytes"] > 0 and last["comm/tp/all_gather_bytes"] > 0
+    # The preemption flag, one 4-byte all-reduce a step, through the counted layer too.
+    assert (last["comm/preemption/all_reduce_calls"], last["comm/preemption/all_reduce_bytes"]) == (1, 4)
     assert last["comm/seconds"] > 0
 
 

@@ -22,7 +22,7 @@ from tests.test_multirun import TINY, fake_hydra
 from trainer import launch, precision
 from trainer.config import ConfigError, to_dataclass, validate
 from trainer.device import TF32Flags, check_local_gpus, set_tf32, tf32_allowed, tf32_flags
-from trainer.mesh import Mesh, build_mesh
+from parallel.mesh import Mesh, build_mesh
 
 CPU = torch.device("cpu")
 

@@ -25,7 +25,7 @@ PHASES = ("forward_backward", "grad_sync", "optimizer", "eval")
 
 def _train_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> None:
     from trainer.loop import Trainer
-    from trainer.mesh import build_mesh
+    from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(FAST + overrides))
     Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp)).train()

@@ -39,7 +39,7 @@ def test_all_reduce_takes_the_tree_when_latency_dominates():
 def test_planned_bytes_and_newton_schulz_loads_equal_the_real_zero_optimizer(dp, tp):
     cfg = model_config("gpt_tiny", 97)
     row = design_rows(local_params(cfg, tp), dp, tp)["muon-ours"]
-    real = measure(cfg, dp, tp)  # one step of ZeroOptimizer on gloo, bytes counted by model/comm.py
+    real = measure(cfg, dp, tp)  # one step of ZeroOptimizer on gloo, bytes counted by parallel/comm.py
     assert real["dp_bytes"] == row.dp_bytes
     assert real["tp_bytes"] == row.tp_bytes
     assert real["plan_costs"] == row.plan_costs

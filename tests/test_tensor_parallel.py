@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.parallelize import check_tp_divisibility, parallelize_tp, tp_split_dim
-from model.tp_layers import padded_vocab, vocab_parallel_cross_entropy
-from model.tp_ops import gather_from_tp
+from parallel.tp_layers import padded_vocab, vocab_parallel_cross_entropy
+from parallel.tp_ops import gather_from_tp
 from optim.grad_ops import average_gradients, clip_gradients
 from tests.distributed import run_distributed
-from trainer.mesh import build_mesh
+from parallel.mesh import build_mesh
 
 VOCAB = 97  # not divisible by 2 or 4: exercises the vocabulary padding
 

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from data.atomic import atomic_output
-from model.comm import group_rank, group_size
-from model.tp_ops import gather_from_tp
+from parallel.comm import all_gather_object, all_reduce, barrier, broadcast_object, group_rank, group_size, world
+from parallel.tp_ops import gather_from_tp
 from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks, ChunkSavePlanner, TPPlacement, pieces_of
 
 log = logging.getLogger("checkpoint")
@@ -120,11 +120,7 @@ def logical_state(trainer) -> dict[str, Any]:
                if t.ndim > 0 else t.clone() for key, t in state.items()}
         for name, (param, state) in trainer.optimizer.local_state(model).items()
     }
-    rng = [None] * mesh.world_size
-    if mesh.world_size > 1:
-        dist.all_gather_object(rng, _rng_state(trainer.device))
-    else:
-        rng = [_rng_state(trainer.device)]
+    rng = all_gather_object(_rng_state(trainer.device), world(), "checkpoint")
     return {"format": FORMAT_VERSION, "step": trainer.step, "tokens": trainer.tokens,
             "skipped_steps": trainer.skipped_steps, "params": params, "buffers": buffers,
             "optim": optim, "rng": rng, "mesh": {"dp": mesh.dp, "tp": mesh.tp}}
@@ -147,8 +143,7 @@ def state_is_finite(trainer) -> bool:
     finite = torch.stack([torch.isfinite(t).all().to(trainer.device)
                           for t in tensors if t.is_floating_point()]).all()
     flag = finite.to(dtype=torch.float32).reshape(1)
-    if trainer.mesh.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    all_reduce(flag, world(), op=dist.ReduceOp.MIN, label="checkpoint")
     return bool(flag.item())
 
 
@@ -283,8 +278,9 @@ class PendingSave:
 
 
 def _process_group(mesh):
-    """DCP's plans and metadata travel over the host (gloo) group where there is one."""
-    return mesh.host_group
+    """DCP's plans and metadata travel over the host (gloo) group where there is one, else
+    over the default group (None in a single process)."""
+    return mesh.host_group if mesh.host_group is not None else world()
 
 
 def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool = False,
@@ -303,11 +299,7 @@ def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool
     if mesh.is_main:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
         partial.mkdir(parents=True)
-    rng = [None] * mesh.world_size
-    if mesh.world_size > 1:
-        dist.all_gather_object(rng, _rng_json(_rng_state(trainer.device)), group=_process_group(mesh))
-    else:
-        rng = [_rng_json(_rng_state(trainer.device))]
+    rng = all_gather_object(_rng_json(_rng_state(trainer.device)), _process_group(mesh), "checkpoint")
     if mesh.is_main:
         meta = {"format": SHARDED_FORMAT, "step": trainer.step, "tokens": trainer.tokens,
                 "skipped_steps": trainer.skipped_steps, "mesh": {"dp": mesh.dp, "tp": mesh.tp},
@@ -337,11 +329,7 @@ def commit_pending(pending: PendingSave, mesh) -> Path:
     if mesh.is_main:
         mine += [pending.partial / ".metadata", pending.partial / META_FILE]
     digests = {p.name: file_digest(p) for p in mine}
-    gathered = [None] * mesh.world_size
-    if mesh.world_size > 1:
-        dist.all_gather_object(gathered, digests, group=_process_group(mesh))
-    else:
-        gathered = [digests]
+    gathered = all_gather_object(digests, _process_group(mesh), "checkpoint")
     if mesh.is_main:
         everything = {k: v for d in gathered for k, v in d.items()}
         on_disk = {p.name for p in pending.partial.iterdir()} - {MANIFEST_FILE}
@@ -360,8 +348,7 @@ def commit_pending(pending: PendingSave, mesh) -> Path:
             mark_good(directory, pending.step)
         rotate(directory, pending.keep)
         log.info("saved checkpoint %s", pending.final)
-    if mesh.world_size > 1:
-        dist.barrier(group=_process_group(mesh))  # no rank reads it before it is in place
+    barrier(_process_group(mesh), "checkpoint")  # no rank reads it before it is in place
     return pending.final
 
 
@@ -501,8 +488,7 @@ def find_resume(resume: str, directory: Path, mesh=None) -> Optional[dict[str, A
         except CheckpointError as err:
             state, problem = None, str(err)
         if world > 1:  # one rank's failed share fails the checkpoint for all
-            problems = [None] * world
-            dist.all_gather_object(problems, problem, group=group)
+            problems = all_gather_object(problem, group, "checkpoint")
             problem = next((p for p in problems if p is not None), None)
         return (None if problem else state), problem
 
@@ -518,9 +504,7 @@ def find_resume(resume: str, directory: Path, mesh=None) -> Optional[dict[str, A
         candidates = [named] + [c for c in candidates if c != named]
     earlier = sorted(p.name for p in directory.glob(f"step_*{CORRUPT_SUFFIX}*") if not p.name.endswith(".sha256" + CORRUPT_SUFFIX))
     if world > 1:  # every rank walks the same list, whatever rank 0 renames meanwhile
-        shared = [candidates, earlier]
-        dist.broadcast_object_list(shared, src=0, group=group)
-        candidates, earlier = shared
+        candidates, earlier = broadcast_object([candidates, earlier], 0, group, "checkpoint")
     unusable = []
     for path in candidates:
         state, problem = verdict(path)

@@ -107,6 +107,11 @@ class LoggerConfig:
 
 @dataclass
 class ParallelConfig:
+    # The device mesh (parallel/mesh.py), outermost first: dp_replicate x dp_shard x tp ranks.
+    # -1: the rest of the world (at most one key). The default is data parallel with ZeRO-1
+    # over every rank that TP leaves (dp_shard > 1, FSDP2, is refused until it exists).
+    dp_replicate: int = -1
+    dp_shard: int = 1
     tp: int = 1
     # Process-group backend: "auto" (nccl on CUDA, gloo on CPU), "nccl" or "gloo".
     backend: str = "auto"
@@ -114,6 +119,11 @@ class ParallelConfig:
     # run instead of hanging it. It also bounds how long the other ranks wait while rank 0
     # builds the tokenizer and token cache of a first run: raise it for a very large data=hf.
     timeout_s: float = 1800.0
+
+
+def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
+    """parallel.* as parallel.mesh.resolve_layout's arguments."""
+    return {"tp": parallel.tp, "dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard}
 
 
 @dataclass
@@ -280,6 +290,10 @@ def validate(cfg: TrainConfig) -> None:
         )
     _choice("logger.progress", cfg.logger.progress, ("auto", "bar", "lines", "none"))
     _positive("parallel.tp", cfg.parallel.tp)
+    for key in ("dp_replicate", "dp_shard"):
+        value = getattr(cfg.parallel, key)
+        if value != -1:
+            _positive(f"parallel.{key}", value)
     _choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
     if not cfg.parallel.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be > 0, got {cfg.parallel.timeout_s}")

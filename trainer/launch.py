@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from optim.newton_schulz import release_buffers
 from trainer.config import TrainConfig
 from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags
-from trainer.mesh import Mesh, destroy_mesh, release_subgroups, torch_env_from_slurm
+from parallel.mesh import Mesh, destroy_mesh, release_subgroups
+from parallel.slurm import torch_env_from_slurm
 
 # conf/config.yaml puts this in place of the ${now:} stamp of the run and sweep dirs.
 RUN_ID_ENV = "TRAIN_RUN_ID"

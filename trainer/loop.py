@@ -19,11 +19,11 @@ from data.sources import DataConfigError
 from eval.evaluate import attention_max_logits, eval_losses
 from eval.flops import device_peak_flops, train_flops_per_token
 from eval.health import HealthStats
-from model.comm import COUNTER as COMM, region
+from parallel.comm import COUNTER as COMM, all_gather_object, barrier, region, world
 from model.gpt import GPT
 from model.moe import balance_experts, reset_routing_stats
 from model.parallelize import parallelize_tp
-from model.tp_ops import all_reduce
+from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
@@ -31,8 +31,8 @@ from optim.schedule import lr_at
 from trainer import checkpoint
 from trainer import device as dev
 from trainer import run_env
-from trainer.config import TrainConfig
-from trainer.mesh import Mesh, init_mesh
+from trainer.config import TrainConfig, layout_keys
+from parallel.mesh import Mesh, init_mesh, new_host_group
 from trainer.precision import resolve_run_precisions
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from trainer.profiling import StepProfiler
@@ -64,11 +64,11 @@ def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
     ranks wait, then every rank
     opens them. (The cache writes are atomic, so concurrent builders would be safe too;
     waiting just avoids doing the work world-size times.)"""
-    if mesh.world_size > 1 and dev.local_rank() != 0:
-        dist.barrier()
+    if dev.local_rank() != 0:
+        barrier(world(), "setup")
     data = prepare_data(cfg.data, cfg.trainer.seq_len)
-    if mesh.world_size > 1 and dev.local_rank() == 0:
-        dist.barrier()
+    if dev.local_rank() == 0:
+        barrier(world(), "setup")
     if mesh.world_size > 1:
         check_same_corpus(data.corpus_id, mesh)
     return data
@@ -77,9 +77,8 @@ def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
 def check_same_corpus(corpus_id: str, mesh: Mesh) -> None:
     """Each node builds its own data with its own interpreter and libraries: ranks whose tokens
     differ would train one model on several corpora without a word, so they stop here."""
-    ids: list[Optional[str]] = [None] * mesh.world_size
     # Over the host group where there is one: NCCL moves objects through the GPU.
-    dist.all_gather_object(ids, corpus_id, group=mesh.host_group)
+    ids = all_gather_object(corpus_id, mesh.host_group or world(), "setup")
     if len(set(ids)) > 1:
         by_id: dict[str, list[int]] = {}
         for rank, cid in enumerate(ids):
@@ -98,7 +97,7 @@ class Trainer:
         self.device = dev.resolve_device(cfg.trainer.device, dev.local_rank())
         dev.set_tf32(cfg.trainer.tf32)  # per job, like deterministic: a sweep's jobs share the process
         self.mesh = mesh if mesh is not None else init_mesh(
-            cfg.parallel.tp, self.device, cfg.parallel.backend, cfg.parallel.timeout_s
+            layout_keys(cfg.parallel), self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh)
@@ -206,8 +205,7 @@ class Trainer:
         The ranks measure together (hence the barrier), so ranks sharing a machine measure
         the share of it they will train with, not a moment when the others were idle.
         """
-        if self.mesh.world_size > 1:
-            dist.barrier()
+        barrier(world(), "setup")
         if self.mesh.is_main:
             log.info("measuring this device's %s matmul peak for perf/mfu (trainer.peak_tflops=<TFLOP/s> "
                      "skips it)", self.cfg.trainer.precision)
@@ -382,7 +380,7 @@ class Trainer:
             self.commit_checkpoint()
             background = self.cfg.checkpoint.async_save and not final
             if background and self._async_group is None and self.mesh.world_size > 1:
-                self._async_group = dist.new_group(backend="gloo")
+                self._async_group = new_host_group("async_checkpoint")
             self.pending_save = checkpoint.save(
                 self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config(), good=evaluated,
                 background=background, async_group=self._async_group,

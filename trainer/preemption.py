@@ -7,8 +7,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from model.comm import region
-from trainer.mesh import Mesh
+from parallel.comm import all_reduce, world
+from parallel.mesh import Mesh
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
 
@@ -36,10 +36,9 @@ class PreemptionFlag:
             return self.flag
         # Over the host group where there is one: reading a flag reduced on the GPU would make
         # the host wait for the device's queue to drain, every step.
-        device = self.device if mesh.host_group is None else torch.device("cpu")
+        group, device = (world(), self.device) if mesh.host_group is None else (mesh.host_group, torch.device("cpu"))
         flag = torch.tensor([float(self.flag)], device=device)
-        with region("comm/world/all_reduce"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.host_group)
+        all_reduce(flag, group, op=dist.ReduceOp.MAX, label="preemption")
         return bool(flag.item())
 
     def restore(self) -> None:

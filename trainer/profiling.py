@@ -2,7 +2,7 @@
 
 `profile.enabled=true profile.steps=[a,b]` records steps a..b (1-based, inclusive) on every
 rank into <run_dir>/traces/rank<R>.json. Each step is a `ProfilerStep#<step>` region (the
-name profiler tools use for iterations); the loop marks its phases with model.comm.region
+name profiler tools use for iterations); the loop marks its phases with parallel.comm.region
 (names in eval/trace_stats.py), and every collective is a `comm/<group>/<op>` region.
 scripts/analyze_trace.py turns the traces into time fractions.
 

@@ -1,9 +1,17 @@
-"""Counted collectives: every collective of the model and the optimizers goes through here.
+"""Counted collectives: every collective of a run goes through here.
 
 Each call adds its payload bytes and its host-side time to a counter keyed by
-(group label, operation), so a run can log `comm/<dp|tp>/<op>_bytes` and the time spent
+(label, operation), so a run can log `comm/<label>/<op>_bytes` and the time spent
 communicating. Payload bytes are the size of the full buffer the collective works on: the
 tensor for all-reduce, the gathered output for all-gather, the input for reduce-scatter.
+
+The label is the group's role ("dp", "tp", "host"; label_group) for the training step's
+collectives. The collectives outside the step's arithmetic name their purpose instead
+(`label=`): "setup" (data, precision and Newton-Schulz agreement at start-up), "checkpoint"
+and "preemption". Objects (`*_object`) are counted by their pickled size.
+
+A group of None is a group of one: every collective is then a no-op (or a copy), so the same
+code runs in a single process. `world()` is the default group, or None without one.
 
 Under torch.profiler each collective is also a `comm/<group>/<op>` region of the trace, which
 scripts/analyze_trace.py attributes to communication by name.
@@ -11,6 +19,7 @@ scripts/analyze_trace.py attributes to communication by name.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 from collections import defaultdict
 from typing import ContextManager, Optional
@@ -48,9 +57,11 @@ def region(name: str) -> ContextManager:
     return torch.profiler.record_function(name) if profiling() else _NO_REGION
 
 
-def _comm_region(group: Group, op: str) -> ContextManager:
+def _comm_region(group: Group, op: str, label: Optional[str] = None) -> ContextManager:
     # The name is only formatted while profiling: collectives are on the hot path.
-    return torch.profiler.record_function(f"comm/{group_label(group)}/{op}") if profiling() else _NO_REGION
+    if not profiling():
+        return _NO_REGION
+    return torch.profiler.record_function(f"comm/{label or group_label(group)}/{op}")
 
 
 def group_size(group: Group) -> int:
@@ -67,8 +78,8 @@ class CommCounter:
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.seconds = 0.0
 
-    def record(self, group: Group, op: str, nbytes: int, seconds: float) -> None:
-        key = (group_label(group), op)
+    def record(self, group: Group, op: str, nbytes: int, seconds: float, label: Optional[str] = None) -> None:
+        key = (label or group_label(group), op)
         self.bytes[key] += nbytes
         self.calls[key] += 1
         self.seconds += seconds
@@ -103,12 +114,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               label: Optional[str] = None) -> torch.Tensor:
     if group_size(group) > 1:
         start = time.perf_counter()
-        with _comm_region(group, "all_reduce"):
+        with _comm_region(group, "all_reduce", label):
             dist.all_reduce(x, op=op, group=group)
-        COUNTER.record(group, "all_reduce", _nbytes(x), time.perf_counter() - start)
+        COUNTER.record(group, "all_reduce", _nbytes(x), time.perf_counter() - start, label)
     return x
 
 
@@ -162,3 +174,58 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> tor
         _reduce_scatter_single(out.view(-1), x.contiguous().view(-1), group=group)
     COUNTER.record(group, "reduce_scatter", _nbytes(x), time.perf_counter() - start)
     return out
+
+
+# --- Collectives outside the step's arithmetic: objects, flags and barriers, by purpose ---
+
+
+def world() -> Group:
+    """The default group (every rank), or None in a single process."""
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def broadcast(x: torch.Tensor, src: int, group: Group, label: str) -> torch.Tensor:
+    """x <- rank `src`'s x (`src` a global rank)."""
+    if group_size(group) > 1:
+        start = time.perf_counter()
+        with _comm_region(group, "broadcast", label):
+            dist.broadcast(x, src=src, group=group)
+        COUNTER.record(group, "broadcast", _nbytes(x), time.perf_counter() - start, label)
+    return x
+
+
+def _pickled_size(obj: object) -> int:
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def all_gather_object(obj: object, group: Group, label: str) -> list:
+    """Every rank's `obj`, in group rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list = [None] * group_size(group)
+    start = time.perf_counter()
+    with _comm_region(group, "all_gather_object", label):
+        dist.all_gather_object(out, obj, group=group)
+    nbytes = sum(_pickled_size(o) for o in out)
+    COUNTER.record(group, "all_gather_object", nbytes, time.perf_counter() - start, label)
+    return out
+
+
+def broadcast_object(obj: object, src: int, group: Group, label: str) -> object:
+    """Rank `src`'s `obj` (`src` a global rank); the others pass anything, e.g. None."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    start = time.perf_counter()
+    with _comm_region(group, "broadcast_object", label):
+        dist.broadcast_object_list(box, src=src, group=group)
+    COUNTER.record(group, "broadcast_object", _pickled_size(box[0]), time.perf_counter() - start, label)
+    return box[0]
+
+
+def barrier(group: Group, label: str) -> None:
+    if group_size(group) > 1:
+        start = time.perf_counter()
+        with _comm_region(group, "barrier", label):
+            dist.barrier(group=group)
+        COUNTER.record(group, "barrier", 0, time.perf_counter() - start, label)

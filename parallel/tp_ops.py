@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model.comm import Group, all_gather_into, all_reduce, group_rank, group_size  # noqa: F401
+from parallel.comm import Group, all_gather_into, all_reduce, group_rank, group_size  # noqa: F401
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -17,9 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.gpt import RMSNorm
-from model.moe import Experts
-from model.tp_ops import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
+from parallel.tp_ops import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
 
 
 def shard(full: torch.Tensor, dim: int, group: Group, logical_numel: Optional[int] = None) -> nn.Parameter:
@@ -62,46 +60,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x, self.weight), self.group)
-
-
-class ReplicatedNorm(RMSNorm):
-    """An RMSNorm copied from the full model, the same on every TP rank."""
-
-    def __init__(self, full: RMSNorm, group: Group) -> None:
-        super().__init__(full.weight.shape[0], full.eps)
-        self.weight = nn.Parameter(full.weight.detach().clone())
-        self.weight.tp_split_dim = None
-        self.group = group
-
-
-class TPInputNorm(ReplicatedNorm):
-    """A norm whose output feeds column-parallel layers: `copy_to_tp` sums the output's
-    gradient over TP ranks, so gamma's gradient is identical on every rank."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp(super().forward(x), self.group)
-
-
-class TPHeadNorm(ReplicatedNorm):
-    """QK-norm over head_dim: one gamma shared by all heads while each rank sees only its own
-    heads, so gamma's gradient is summed over TP ranks (copy_to_tp on the weight)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.normalise(x, copy_to_tp(self.weight, self.group))
-
-
-class TPExperts(nn.Module):
-    """Routed experts with each expert's hidden units split over TP, as in the dense MLP:
-    gate/up [E, hidden/T, d] (column-parallel), down [E, d, hidden/T] (row-parallel; the MoE
-    layer all-reduces the combined output once)."""
-
-    def __init__(self, full: nn.Module, group: Group) -> None:
-        super().__init__()
-        self.w_gate = shard(full.w_gate, 1, group)
-        self.w_up = shard(full.w_up, 1, group)
-        self.w_down = shard(full.w_down, 2, group)
-
-    forward = Experts.forward
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,251 @@
+"""The device mesh: every process group of a run comes from one named DeviceMesh.
+
+Dimensions, outermost first: `dp_replicate` (data-parallel replicas: ZeRO-1 today, HSDP's
+replicas once parameters are sharded), `dp_shard` (data-parallel ranks that shard the
+parameters, FSDP) and `tp` (tensor parallel). TP is innermost, so a TP group is contiguous
+ranks (rank = dp_rank * tp + tp_rank) on one node, where its activation collectives run over
+the fast links; the DP dimensions stride across nodes. Pipeline stages would go outside
+`dp_replicate` and expert parallelism is carved out of the DP ranks, so both can join as new
+names without changing the order of the others.
+
+`dp` is the flattened (dp_replicate, dp_shard) dimension: the group that averages gradients
+and owns ZeRO-1's optimizer state.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+# Imported before any process group exists: its functions' `group=group.WORLD` defaults are
+# evaluated at import, so a first import after init (torch.distributed.checkpoint pulls it in)
+# would keep the default group, and gloo's worker threads, alive past destroy_process_group
+# into interpreter shutdown, where a worker freeing a finished collective's tensors aborts
+# the process (SIGABRT, "terminate called without an active exception").
+import torch.distributed.nn.functional  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.rendezvous import rendezvous
+
+from parallel.comm import label_group
+from parallel.slurm import adopt_slurm_env
+
+# Outermost first; the order fixes which ranks each group holds.
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ranks each mesh dimension has; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def describe(self) -> str:
+        """ "dp_replicate 2 x dp_shard 1 x tp 2" """
+        return " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape))
+
+
+def _world_words(world_size: int) -> str:
+    if world_size == 1:
+        return "a single process (started without torchrun)"
+    return f"{world_size} processes (the number torchrun started)"
+
+
+def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shard: int = 1) -> Layout:
+    """The layout `parallel.*` asks for on `world_size` ranks; -1 means "the rest of the world".
+
+    Raises ValueError, in one line naming the keys, for a size below 1 (other than -1), more
+    than one -1, or sizes that do not multiply out to the world size.
+    """
+    sizes = {"parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard, "parallel.tp": tp}
+    for key, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(f"{key}={size} must be a positive number of ranks, or -1 for the rest of the world")
+    if sizes["parallel.tp"] == -1:
+        raise ValueError("parallel.tp=-1: TP needs an explicit size (-1, the rest of the world, is for the "
+                         "parallel.dp_* keys)")
+    rest = [key for key, size in sizes.items() if size == -1]
+    if len(rest) > 1:
+        raise ValueError(f"{' and '.join(f'{k}=-1' for k in rest)}: at most one size can be the rest of the world")
+    given = 1
+    for size in sizes.values():
+        given *= size if size != -1 else 1
+    asked = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    if world_size % given or (not rest and given != world_size):
+        raise ValueError(f"{asked} does not multiply out to {_world_words(world_size)}")
+    if rest:
+        sizes[rest[0]] = world_size // given
+    return Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
+                  tp=sizes["parallel.tp"])
+
+
+def require_supported(layout: Layout) -> None:
+    """Raise ValueError, naming the key, for a layout this version cannot train yet."""
+    if layout.dp_shard > 1:
+        raise ValueError(f"parallel.dp_shard={layout.dp_shard}: sharding the parameters (FSDP2) is not "
+                         "supported yet; train data parallel with ZeRO-1 (parallel.dp_replicate, the default)")
+
+
+def check_layout(world_size: int, layout_keys: dict[str, int]) -> Layout:
+    """The layout parallel.* asks for on `world_size` ranks, or ValueError in one line."""
+    layout = resolve_layout(world_size, **layout_keys)
+    require_supported(layout)
+    return layout
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's view of the mesh: its groups by role. A single process has no groups (None),
+    which every collective in parallel/comm.py treats as a group of one."""
+
+    rank: int = 0
+    world_size: int = 1
+    layout: Layout = field(default_factory=Layout)
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None  # dp_replicate x dp_shard, flattened
+    # All ranks over gloo, for agreeing on host-side flags (preemption) without making the
+    # host wait for the GPU; None where the default group already runs on the host (gloo).
+    host_group: Optional[dist.ProcessGroup] = None
+    device_mesh: Optional[DeviceMesh] = None
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def single_process_mesh(tp: int = 1) -> Mesh:
+    """The mesh of one process, for tests and tools that build a layout without processes."""
+    return Mesh(layout=Layout(tp=tp))
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_mesh(layout_keys: dict[str, int], device: torch.device, backend: str = "auto",
+              timeout_s: float = 600.0) -> Mesh:
+    """Join the job torchrun started (env:// rendezvous) and build the mesh that
+    `layout_keys` (tp, dp_replicate, dp_shard as in parallel.*) asks for.
+
+    Without torchrun (WORLD_SIZE unset) this is a single process and no group is created,
+    unless this is one task of a multi-task SLURM step, which joins that step's group.
+    The timeout turns a dead peer into an error instead of a hang.
+    """
+    adopt_slurm_env()
+    world_size = world_size_from_env()
+    layout = check_layout(world_size, layout_keys)
+    if world_size == 1:
+        return Mesh(layout=layout)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, size = next(rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store across --max-restarts: without a per-round prefix the
+        # restarted ranks would read the dead round's gloo addresses and fail to connect.
+        store = dist.PrefixStore(f"round_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(
+            backend=default_backend(device) if backend == "auto" else backend,
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard)
+
+
+def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1) -> Mesh:
+    """The mesh over an initialised default group, `dp_replicate` the rest of the world.
+    Every rank must call this (group creation is collective). `timeout` bounds the host
+    group's collectives like the default group's."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+    tp_group = device_mesh.get_group("tp")
+    dp_group = device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    # Where torch hands one group to two roles (a flattened dimension over a single non-trivial
+    # one), the roles the training step's metrics name (comm/dp/*, comm/tp/*) win.
+    label_group(device_mesh.get_group("dp_replicate"), "dp_replicate")
+    label_group(device_mesh.get_group("dp_shard"), "dp_shard")
+    label_group(tp_group, "tp")
+    label_group(dp_group, "dp")
+    host_group = new_host_group("host", timeout) if dist.get_backend() != "gloo" else None
+    return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
+                host_group=host_group, device_mesh=device_mesh)
+
+
+def new_host_group(label: str, timeout: Optional[datetime.timedelta] = None) -> dist.ProcessGroup:
+    """A gloo group over every rank, beside the mesh, for work the host does without the GPU:
+    "host" (flags such as preemption, checkpoint plans and objects, where NCCL would move them
+    through the GPU) and "async_checkpoint" (a background save's own collectives, which must
+    not interleave with the training step's). Collective: every rank must call it."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    label_group(group, label)
+    return group
+
+
+def mesh_groups(mesh: Mesh) -> list[dist.ProcessGroup]:
+    """Every distinct process group the mesh made (not the default group), each once."""
+    groups: list[dist.ProcessGroup] = []
+    candidates: list[Optional[dist.ProcessGroup]] = [mesh.tp_group, mesh.dp_group, mesh.host_group]
+    if mesh.device_mesh is not None:
+        candidates += mesh.device_mesh.get_all_groups()
+    for group in candidates:
+        if group is None or group is dist.GroupMember.WORLD or any(group is g for g in groups):
+            continue
+        groups.append(group)
+    return groups
+
+
+def destroy_mesh() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def release_subgroups(mesh: Mesh) -> None:
+    """Free a mesh's groups but keep the default group, for the next job of a sweep.
+
+    Re-creating the default group in the same processes would restart group naming at 0 over
+    torchrun's store, which still holds the first groups' keys: the new groups would meet
+    stale keys and hang. So a multirun under torchrun keeps one default group for all jobs.
+    """
+    if not dist.is_initialized():
+        return
+    for group in mesh_groups(mesh):
+        dist.destroy_process_group(group)

@@ -1,0 +1,107 @@
+"""The import graph: parallel/ at the bottom, optim/ below trainer/, and no cycle anywhere.
+
+Read from the source (ast), so lazy imports inside functions and imports under
+`if TYPE_CHECKING:` count as arrows too: a cycle hidden in a function is still a cycle.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("parallel", "model", "optim", "trainer", "eval", "data")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    modules = {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+    modules["train"] = REPO / "train.py"
+    return modules
+
+
+def imported(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports, wherever the import statement is."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names.add(node.module)
+            # `from optim import muon` imports the module optim.muon
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in names if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: imported(path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), plus self-imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_parallel_package_imports_nothing_of_ours_outside_it():
+    graph = import_graph()
+    assert any(name.startswith("parallel.") for name in graph)
+    upward = sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == "parallel"
+                    for d in deps if d.split(".")[0] != "parallel")
+    assert upward == []
+
+
+def test_optim_imports_no_trainer_module():
+    graph = import_graph()
+    assert sorted((m, d) for m, deps in graph.items() if m.split(".")[0] == "optim"
+                  for d in deps if d.split(".")[0] == "trainer") == []
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_see_an_arrow_and_a_cycle(tmp_path):
+    """The reader and the cycle finder on a planted graph and file: they can fail."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"], ["e"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    # The arrow that made the old cycle (optim/muon -> trainer/precision), hidden in a
+    # function and under TYPE_CHECKING, is read; so is `from package import module`.
+    planted = tmp_path / "planted.py"
+    planted.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.config\n"
+                       "def f():\n    from trainer.precision import resolve_run_precisions\n"
+                       "from optim import muon\nimport torch\n")
+    assert imported(planted, project_modules()) == {"trainer.config", "trainer.precision", "optim", "optim.muon"}

@@ -1,0 +1,123 @@
+"""The device mesh: layouts from parallel.*, the groups one named DeviceMesh gives, and the
+collectives outside the step's arithmetic going through the counted layer."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel.mesh import MESH_DIMS, Layout, check_layout, resolve_layout
+from tests.conftest import REPO
+from tests.distributed import run_distributed
+
+
+@pytest.mark.parametrize("world, keys, layout", [
+    (1, {}, Layout(1, 1, 1)),
+    (8, {}, Layout(8, 1, 1)),  # the default: ZeRO-1 over every rank
+    (8, {"tp": 2}, Layout(4, 1, 2)),
+    (8, {"tp": 2, "dp_replicate": 2, "dp_shard": -1}, Layout(2, 2, 2)),
+    (8, {"tp": 4, "dp_replicate": 2}, Layout(2, 1, 4)),
+    (6, {"dp_replicate": 1, "dp_shard": -1}, Layout(1, 6, 1)),
+])
+def test_minus_one_is_the_rest_of_the_world(world, keys, layout):
+    got = resolve_layout(world, **keys)
+    assert got == layout and got.world_size == world and got.dp == layout.dp_replicate * layout.dp_shard
+    assert got.shape == (layout.dp_replicate, layout.dp_shard, layout.tp)
+
+
+@pytest.mark.parametrize("world, keys, line", [
+    (4, {"tp": 3}, "parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=3 does not multiply out to "
+                   "4 processes (the number torchrun started)"),
+    (1, {"tp": 2}, "parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=2 does not multiply out to "
+                   "a single process (started without torchrun)"),
+    (8, {"tp": 2, "dp_replicate": 2}, "parallel.dp_replicate=2 x parallel.dp_shard=1 x parallel.tp=2 does not "
+                                      "multiply out to 8 processes (the number torchrun started)"),
+    (8, {"dp_replicate": -1, "dp_shard": -1}, "parallel.dp_replicate=-1 and parallel.dp_shard=-1: at most one "
+                                              "size can be the rest of the world"),
+    (4, {"tp": 0}, "parallel.tp=0 must be a positive number of ranks, or -1 for the rest of the world"),
+    (4, {"dp_shard": -2}, "parallel.dp_shard=-2 must be a positive number of ranks, or -1 for the rest of the world"),
+    (4, {"tp": -1}, "parallel.tp=-1: TP needs an explicit size (-1, the rest of the world, is for the "
+                    "parallel.dp_* keys)"),
+])
+def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, line):
+    with pytest.raises(ValueError) as err:
+        resolve_layout(world, **keys)
+    assert str(err.value) == line
+
+
+def test_sharded_parameters_are_refused_until_fsdp2_exists():
+    assert resolve_layout(4, dp_shard=2) == Layout(2, 2, 1)  # the arithmetic (the planner's) accepts it
+    with pytest.raises(ValueError, match=r"^parallel.dp_shard=2: sharding the parameters \(FSDP2\) is not "
+                                         r"supported yet"):
+        check_layout(4, {"tp": 1, "dp_replicate": -1, "dp_shard": 2})
+    assert check_layout(4, {"tp": 2, "dp_replicate": -1, "dp_shard": 1}) == Layout(2, 1, 2)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["parallel.tp=2"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=2 does not multiply "
+                        "out to a single process (started without torchrun)"),
+    (["parallel.dp_shard=0"], "error: parallel.dp_shard must be >= 1, got 0"),
+    (["parallel.dp_shard=-1"], "error: parallel.dp_replicate=-1 and parallel.dp_shard=-1: at most one size can be "
+                               "the rest of the world"),
+])
+def test_train_py_stops_a_bad_layout_at_start_up(tmp_path, args, line):
+    proc = subprocess.run(
+        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+         "logger.wandb.mode=disabled", "trainer.device=cpu", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [line]
+    assert not (tmp_path / "cache").exists()  # before any data work
+
+
+def _mesh_worker(rank: int, world_size: int, tp: int) -> dict:
+    import torch.distributed as dist
+
+    from parallel import comm
+    from parallel.mesh import build_mesh, mesh_groups, release_subgroups
+
+    mesh = build_mesh(tp)
+    out = {
+        "dims": mesh.device_mesh.mesh_dim_names,
+        "shape": tuple(mesh.device_mesh.shape),
+        "tp_ranks": dist.get_process_group_ranks(mesh.tp_group),
+        "dp_ranks": dist.get_process_group_ranks(mesh.dp_group),
+        "labels": (comm.group_label(mesh.tp_group), comm.group_label(mesh.dp_group)),
+        "coords": (mesh.dp_rank, mesh.tp_rank),
+    }
+    # The collectives outside the step's arithmetic, counted under their purpose.
+    comm.COUNTER.reset()
+    gathered = comm.all_gather_object({"rank": rank}, comm.world(), "setup")
+    chosen = comm.broadcast_object("rank 0's" if rank == 0 else None, 0, comm.world(), "checkpoint")
+    flag = comm.broadcast(torch.tensor([float(rank + 7)]), 0, comm.world(), "setup")
+    comm.barrier(comm.world(), "checkpoint")
+    out["objects"] = (gathered, chosen, flag.item())
+    out["counted"] = {k: v for k, v in comm.COUNTER.metrics().items() if k.endswith("_calls")}
+    out["flag_bytes"] = comm.COUNTER.bytes[("setup", "broadcast")]
+    groups = mesh_groups(mesh)
+    release_subgroups(mesh)
+    # Every group the mesh made is gone; the default group stays for the next job of a sweep.
+    out["released"] = all(g not in dist.distributed_c10d._world.pg_map for g in groups)
+    out["world_alive"] = dist.is_initialized()
+    return out
+
+
+def test_one_named_mesh_gives_contiguous_tp_and_strided_dp_groups():
+    results = run_distributed(_mesh_worker, 4, 2)
+    for rank, r in enumerate(results):
+        assert r["dims"] == MESH_DIMS == ("dp_replicate", "dp_shard", "tp")
+        assert r["shape"] == (2, 1, 2)
+        assert r["tp_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]  # contiguous: one node
+        assert r["dp_ranks"] == [rank % 2, rank % 2 + 2]  # strided across nodes
+        assert r["labels"] == ("tp", "dp")
+        assert r["coords"] == (rank // 2, rank % 2)
+        assert r["objects"] == ([{"rank": i} for i in range(4)], "rank 0's", 7.0)
+        assert r["counted"] == {
+            "comm/setup/all_gather_object_calls": 1.0, "comm/checkpoint/broadcast_object_calls": 1.0,
+            "comm/setup/broadcast_calls": 1.0, "comm/checkpoint/barrier_calls": 1.0,
+        }
+        assert r["flag_bytes"] == 4
+        assert r["released"] and r["world_alive"]
