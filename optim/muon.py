@@ -77,7 +77,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _validate_group(group: dict[str, Any]) -> None:
+def validate_group(group: dict[str, Any]) -> None:
     """Raises ValueError naming the config key of the first bad option; canonicalises ns_dtype."""
     lr = group["lr"]
     if isinstance(lr, Tensor):
@@ -304,7 +304,7 @@ class Muon(torch.optim.Optimizer):
             ns_by_shape=None if ns_by_shape is None else dict(ns_by_shape),
         )
         # Fail on the defaults themselves even when every group overrides them.
-        _validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
+        validate_group({**defaults, "params": [], "ns_dtype": ns_dtype})
         super().__init__(params, defaults)
         # Not a group option: it says how this process computes, not what the optimizer is
         # (checkpoints written with it load without it, and the other way round).
@@ -315,7 +315,7 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        validate_group(self.param_groups[-1])
 
     def ns_shapes(self) -> Counter[NSShape]:
         """How many matrices of each shape a step of every parameter orthogonalises."""
