@@ -16,9 +16,10 @@ A 3-D expert stack [E, rows, cols] is split over its experts, so each rank alrea
 whole experts: they are orthogonalised where they are, with no exchange.
 
 Bytes per step, besides the data-parallel reduce-scatter and all-gathers that shard the
-gradients and gather the weights: each 2-D matrix goes through the all-to-alls twice (once as
-rows to its owner, once as the update back), in the parameters' dtype: 2 x its size, of which
-all but the owner's own rows cross the wire (`exchange_bytes`).
+gradients and gather the weights: each 2-D matrix goes through the all-to-alls twice, once as
+rows to its owner in the parameters' dtype and once back as the update in the Newton-Schulz
+dtype (bf16 by default: lossless, the iteration's last product is bf16), of which all but the
+owner's own rows cross the wire (`exchange_bytes`).
 """
 from __future__ import annotations
 
@@ -57,14 +58,15 @@ class _Matrix:
         return (stop - start) * self.cols
 
 
-def exchange_bytes(full_shapes: Sequence[torch.Size], n: int, element_size: int) -> int:
+def exchange_bytes(full_shapes: Sequence[torch.Size], n: int, param_bytes: int, ns_bytes: int) -> int:
     """Bytes the two all-to-alls of one step carry, summed over the group's ranks, as
-    parallel/comm.py counts a collective (its whole input buffer): every 2-D matrix once each
-    way. Of that, the owner's own rows stay on the owner, so the wire carries less by
-    2 x sum over matrices of (the owner's rows x cols) x element size. Expert stacks never travel."""
+    parallel/comm.py counts a collective (its whole input buffer): every 2-D matrix once to its
+    owner in the parameters' dtype (`param_bytes` an element) and once back in the Newton-Schulz
+    dtype (`ns_bytes`). Of that, the owner's own rows stay on the owner: the wire carries less
+    by the owners' rows x cols x (param_bytes + ns_bytes). Expert stacks never travel."""
     if n == 1:
         return 0
-    return 2 * element_size * sum(s[0] * s[1] for s in full_shapes if len(s) == 2)
+    return (param_bytes + ns_bytes) * sum(s[0] * s[1] for s in full_shapes if len(s) == 2)
 
 
 def _plan(full_shapes: Sequence[torch.Size], n: int) -> list[_Matrix]:
@@ -155,7 +157,9 @@ class ShardedMuon(torch.optim.Optimizer):
         self._apply(params, updates, group)
 
     def _orthogonalise(self, matrices: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Newton-Schulz of each matrix (or stack), scaled for its shape; one call per shape."""
+        """Newton-Schulz of each matrix (or stack), one call per shape, left in the Newton-Schulz
+        dtype: the iteration's last product is in that dtype already, so sending it back that way
+        loses nothing and, in bf16, halves the return trip."""
         out: list[Optional[Tensor]] = [None] * len(matrices)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for j, m in enumerate(matrices):
@@ -163,14 +167,10 @@ class ShardedMuon(torch.optim.Optimizer):
         dtype = parse_ns_dtype(group["ns_dtype"])
         for (rows, cols), idx in by_shape.items():
             stack = torch.cat([matrices[j].reshape(-1, rows, cols) for j in idx])
-            if stack.shape[0] == 0:
-                for j in idx:
-                    out[j] = matrices[j].clone()
-                continue
             iteration = iteration_for(group["ns_method"], NSShape(rows, cols), group["ns_steps"], group["ns_by_shape"])
-            orth = newton_schulz(stack, group["ns_steps"], group["coefficients"], dtype, group["eps"],
-                                 out_dtype=stack.dtype, iteration=iteration)
-            orth.mul_(muon_scale(rows, cols, group["adjust_lr"]))
+            orth = (newton_schulz(stack, group["ns_steps"], group["coefficients"], dtype, group["eps"],
+                                  out_dtype=dtype, iteration=iteration)
+                    if stack.shape[0] else stack.to(dtype))
             offset = 0
             for j in idx:
                 k = matrices[j].numel() // (rows * cols)
@@ -211,7 +211,7 @@ class ShardedMuon(torch.optim.Optimizer):
         in_splits = [sum(t.numel() for t in p) for p in pieces]
         from_owner = [[m for m in self.matrices if m.owner == src] for src in range(n)]
         out_splits = [sum(m.elements_of(n, me) for m in ms) for ms in from_owner]
-        reference = inputs[0]
+        reference = inputs[0].new_empty(0, dtype=parse_ns_dtype(self.param_groups[0]["ns_dtype"]))
         received = reference.new_empty(sum(out_splits))
         all_to_all_into(received, torch.cat([t for p in pieces for t in p]) if sum(in_splits)
                         else reference.new_empty(0), out_splits, in_splits, self.group)
@@ -225,12 +225,13 @@ class ShardedMuon(torch.optim.Optimizer):
         return rows
 
     def _apply(self, params: list[Tensor], updates: list[Optional[Tensor]], group: dict[str, Any]) -> None:
-        """p <- p * (1 - lr * wd) - lr * O on this rank's rows (O already scaled); with cautious_wd
-        the decay only where O and p agree in sign, as optim/muon.py's update."""
+        """p <- p * (1 - lr * wd) - lr * scale * O on this rank's rows, scale for the whole
+        matrix's shape, as optim/muon.py's update; with cautious_wd the decay only where O and p
+        agree in sign."""
         lr, decay = group["lr"], group["lr"] * group["weight_decay"]
-        for p, u in zip(params, updates):
+        for p, u, full in zip(params, updates, self.full_shapes):
             if decay != 0 and self.cautious_wd:
                 p.mul_(torch.where(u * p > 0, 1.0 - decay, 1.0))
             elif decay != 0:
                 p.mul_(1.0 - decay)
-            p.add_(u, alpha=-lr)
+            p.add_(u, alpha=-lr * muon_scale(full[-2], full[-1], group["adjust_lr"]))

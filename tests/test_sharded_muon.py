@@ -1,4 +1,4 @@
-"""Muon on row-sharded parameters (FSDP2's layout) equals Muon on the whole matrices.
+"""Muon on row-sharded parameters (FSDP2's layout) equals Muon on the whole matrices, in fp32 and bf16.
 
 Each rank holds torch.chunk's rows of every parameter, gradient and momentum; Newton-Schulz
 runs on whole matrices at their owners, reached by two all-to-alls. In fp32 the sharded run
@@ -66,8 +66,9 @@ def _sharded_worker(rank: int, world_size: int, variant: dict) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("variant", [{}, {"cautious_wd": True, "ns_method": "gram", "nesterov": False}],
-                         ids=["muon", "cautious_gram_heavyball"])
+@pytest.mark.parametrize("variant", [{}, {"cautious_wd": True, "ns_method": "gram", "nesterov": False},
+                                     {"ns_dtype": "bf16"}],
+                         ids=["muon", "cautious_gram_heavyball", "bf16"])
 def test_sharded_muon_equals_muon_on_whole_matrices(world_size, variant):
     expected = single_process(variant)
     results = run_distributed(_sharded_worker, world_size, variant)
@@ -78,13 +79,16 @@ def test_sharded_muon_equals_muon_on_whole_matrices(world_size, variant):
     assert all(r["momentum_sharded"] for r in results)
     # Two all-to-alls a step, and together they carry exactly what the formula says.
     assert [r["calls"] for r in results] == [2 * STEPS] * world_size
-    assert sum(r["sent"] for r in results) == STEPS * exchange_bytes([torch.Size(s) for s in SHAPES], world_size, 4)
+    ns_bytes = 2 if variant.get("ns_dtype") == "bf16" else 4
+    assert sum(r["sent"] for r in results) == STEPS * exchange_bytes([torch.Size(s) for s in SHAPES], world_size, 4,
+                                                                     ns_bytes)
 
 
 def test_the_exchange_formula_counts_every_matrix_once_each_way():
     shapes = [torch.Size((12, 8)), torch.Size((4, 6, 8))]  # the expert stack never travels
-    assert exchange_bytes(shapes, 2, 4) == exchange_bytes(shapes, 3, 4) == 2 * 12 * 8 * 4
-    assert exchange_bytes(shapes, 1, 4) == 0
+    # fp32 rows to the owner, the bf16 update back
+    assert exchange_bytes(shapes, 2, 4, 2) == exchange_bytes(shapes, 3, 4, 2) == 12 * 8 * (4 + 2)
+    assert exchange_bytes(shapes, 1, 4, 2) == 0
     assert row_range(7, 3, 0) == (0, 3) and row_range(7, 3, 2) == (6, 7) and row_range(2, 3, 2) == (2, 2)
 
 
