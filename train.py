@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.sources import DataConfigError, check_data_config, check_data_packages
 from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint_files import CheckpointError
 from trainer.config import layout_keys, register_configs, to_dataclass, validate
 from trainer.device import DeviceError
 from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from model.config import ModelConfig  # noqa: E402
 from model.hf_export import ExportError, export, model_config  # noqa: E402
-from trainer import checkpoint  # noqa: E402
+from trainer import checkpoint_files  # noqa: E402
 from trainer.run_env import RUN_TOKENIZER_DIR  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,21 +37,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def resolve_checkpoint(path: Path) -> Path:
     """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names."""
-    if path.is_dir() and not checkpoint.is_sharded(path):
+    if path.is_dir() and not checkpoint_files.is_sharded(path):
         directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         latest = directory / "latest"
         if latest.exists():
             return directory / latest.read_text().strip()
-        found = checkpoint.checkpoints_in(directory)
+        found = checkpoint_files.checkpoints_in(directory)
         if not found:
-            raise checkpoint.CheckpointError(f"{path}: no checkpoint found in this directory")
+            raise checkpoint_files.CheckpointError(f"{path}: no checkpoint found in this directory")
         return found[0]
-    return path  # checkpoint.load names a missing one itself
+    return path  # checkpoint_files.load names a missing one itself
 
 
 def load_run(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(model config, parameters and persistent buffers, the run's resolved config)."""
-    state = checkpoint.load(resolve_checkpoint(path))
+    state = checkpoint_files.load(resolve_checkpoint(path))
     config = state["config"]
     return model_config(config["model"]), state["params"] | state["buffers"], config
 
@@ -102,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg, tensors, config = load_run(args.checkpoint)
         tokenizer = run_tokenizer(config, args.tokenizer, args.checkpoint)
         arch = export(cfg, tensors, tokenizer, args.out_dir, DTYPES[args.dtype])
-    except (checkpoint.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:
+    except (checkpoint_files.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {arch} ({cfg.name}, {args.dtype}) to {args.out_dir}")

@@ -118,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint_files import CheckpointError
 
     device = torch.device(args.device)
     try:

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import compose
 from tests.distributed import run_distributed
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer.config import to_dataclass
 
 COMMON = [
@@ -65,8 +65,8 @@ def test_checkpoints_are_atomic_kept_and_pointed_to(tmp_path):
     newest = ckpts / "step_00000008"
     listed = dict(line.split()[::-1] for line in (newest / "manifest.sha256").read_text().splitlines())
     assert set(listed) == {p.name for p in newest.iterdir()} - {"manifest.sha256"}
-    assert all(checkpoint.file_digest(newest / n) == d for n, d in listed.items())
-    state = checkpoint.load(newest)
+    assert all(checkpoint_files.file_digest(newest / n) == d for n, d in listed.items())
+    state = checkpoint_files.load(newest)
     assert state["step"] == 8 and state["config"]["model"]["name"] == "gpt_tiny"
     assert set(state["optim"]["blocks.0.attn.wq.weight"]) == {"momentum_buffer"}
     assert set(state["optim"]["embed.weight"]) == {"exp_avg", "exp_avg_sq", "step"}
@@ -76,8 +76,8 @@ def test_a_checkpoint_holds_exactly_the_trainers_state(tmp_path):
     """What `load` reads back from the shards is the single-process state, tensor for tensor."""
     trainer = make_trainer(tmp_path, ["model=moe_tiny", "trainer.batch_size=2", "trainer.max_steps=3"])
     trainer.train()
-    saved = checkpoint.load(tmp_path / "checkpoints" / "step_00000003")
-    live = checkpoint.logical_state(trainer)
+    saved = checkpoint_files.load(tmp_path / "checkpoints" / "step_00000003")
+    live = checkpoint_state.logical_state(trainer)
     for part in ("params", "buffers"):
         assert saved[part].keys() == live[part].keys()
         assert all(torch.equal(saved[part][k], live[part][k]) for k in live[part]), part
@@ -91,7 +91,7 @@ def test_corrupted_checkpoint_is_named_and_auto_falls_back(tmp_path, caplog):
     newest = tmp_path / "checkpoints" / "step_00000008"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # truncated
-    with pytest.raises(checkpoint.CheckpointError, match=f"{shard}: checksum does not match"):
+    with pytest.raises(checkpoint_files.CheckpointError, match=f"{shard}: checksum does not match"):
         checkpoint.find_resume(str(newest), newest.parent)
     state = checkpoint.find_resume("auto", newest.parent)
     assert state["step"] == 4
@@ -145,8 +145,8 @@ def test_async_save_over_dp_writes_the_same_checkpoints(tmp_path):
     run_distributed(_async_worker, 2, str(tmp_path / "sync"), common)
     run_distributed(_async_worker, 2, str(tmp_path / "async"), common + ["checkpoint.async_save=true"])
     for step in (2, 4, 6, 8):
-        a = checkpoint.load(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
-        b = checkpoint.load(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
+        a = checkpoint_files.load(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
+        b = checkpoint_files.load(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
         assert a["mesh"] == b["mesh"] == {"dp": 2, "tp": 1}
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), step
         assert all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for n in a["optim"] for k in a["optim"][n])
@@ -154,10 +154,10 @@ def test_async_save_over_dp_writes_the_same_checkpoints(tmp_path):
 
 def write_single_file_checkpoint(trainer, path: Path) -> None:
     """A checkpoint in the format of earlier versions: one file of full logical tensors."""
-    state = checkpoint.logical_state(trainer)
+    state = checkpoint_state.logical_state(trainer)
     state["config"] = trainer.resolved_config()
     torch.save(state, path)
-    path.with_suffix(".sha256").write_text(f"{checkpoint.file_digest(path)}  {path.name}\n")
+    path.with_suffix(".sha256").write_text(f"{checkpoint_files.file_digest(path)}  {path.name}\n")
 
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "moe_tiny"])
@@ -182,8 +182,8 @@ def test_async_save_writes_the_same_checkpoint(tmp_path):
     make_trainer(tmp_path / "sync", common).train()
     make_trainer(tmp_path / "async", common + ["checkpoint.async_save=true"]).train()
     for step in (2, 4, 6, 8):
-        a = checkpoint.load(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
-        b = checkpoint.load(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
+        a = checkpoint_files.load(tmp_path / "sync" / "checkpoints" / f"step_{step:08d}")
+        b = checkpoint_files.load(tmp_path / "async" / "checkpoints" / f"step_{step:08d}")
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), step
         assert all(torch.equal(a["optim"][n][k], b["optim"][n][k]) for n in a["optim"] for k in a["optim"][n])
     assert losses(tmp_path / "sync") == losses(tmp_path / "async")
@@ -192,7 +192,7 @@ def test_async_save_writes_the_same_checkpoint(tmp_path):
 def test_checkpoint_of_another_model_shape_lists_the_differing_keys(tmp_path):
     make_trainer(tmp_path / "a", ["trainer.batch_size=2", "trainer.max_steps=1"]).train()
     path = tmp_path / "a" / "checkpoints" / "step_00000001"
-    with pytest.raises(checkpoint.CheckpointError, match="mlp.w_gate.weight"):
+    with pytest.raises(checkpoint_files.CheckpointError, match="mlp.w_gate.weight"):
         make_trainer(tmp_path / "b", ["trainer.batch_size=2", "model.ffn_hidden=128",
                                       f"checkpoint.resume={path}"])
 
@@ -242,7 +242,7 @@ def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded, mod
     run_layout(straight, *saved, mode="train", global_batch=batch, model=model, options=options)
     resumed = tmp_path / "resumed"
     run_layout(resumed, *saved, mode="interrupt", global_batch=batch, model=model, options=options)
-    assert checkpoint.open_checkpoint(resumed / "checkpoints" / "step_00000004")["mesh"] == dict(
+    assert checkpoint_files.open_checkpoint(resumed / "checkpoints" / "step_00000004")["mesh"] == dict(
         dp=saved[0], tp=saved[1])
     run_layout(resumed, *loaded, mode="train", global_batch=batch, model=model, options=options)
     a, b = losses(straight), losses(resumed)
@@ -251,8 +251,8 @@ def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded, mod
     for step in b:
         assert abs(a[step] - b[step]) <= tol * a[step], (step, a[step], b[step])
     # and the final parameters agree
-    pa = checkpoint.load(straight / "checkpoints" / "step_00000008")["params"]
-    pb = checkpoint.load(resumed / "checkpoints" / "step_00000008")["params"]
+    pa = checkpoint_files.load(straight / "checkpoints" / "step_00000008")["params"]
+    pb = checkpoint_files.load(resumed / "checkpoints" / "step_00000008")["params"]
     for name in pa:
         assert ((pa[name] - pb[name]).norm() / pa[name].norm()).item() <= tol, name
 
@@ -261,7 +261,7 @@ def test_restored_state_goes_to_the_device_of_the_tensor_it_replaces():
     """Checkpoints load on the CPU; a GPU run needs its parameters and optimizer state back
     on the GPU. The meta device stands in for one here."""
     like = torch.empty(4, 3, device="meta", dtype=torch.bfloat16)
-    local = checkpoint.to_local(torch.ones(4, 3), like, None, None)
+    local = checkpoint_state.to_local(torch.ones(4, 3), like, None, None)
     assert local.device.type == "meta" and local.dtype == torch.bfloat16
 
 

@@ -205,9 +205,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_export_of_a_sharded_run_equals_the_single_process_one(tmp_path, runs, layout):
-    from trainer import checkpoint
+    from trainer import checkpoint_files
 
-    saved = checkpoint.load(runs[layout] / "checkpoints" / "step_00000002")
+    saved = checkpoint_files.load(runs[layout] / "checkpoints" / "step_00000002")
     assert saved["mesh"] == ({"dp": 1, "tp": 2} if layout == "tp2" else {"dp": 2, "tp": 1})
     for name in ("tp1", layout):
         assert export_hf.main([str(runs[name]), str(tmp_path / name)]) == 0

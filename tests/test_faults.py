@@ -19,7 +19,7 @@ from data.pipeline import prepare_data
 from data.sources import DataConfigError, HFSource, is_held_out
 from tests.conftest import REPO
 from tests.test_checkpoint import COMMON, make_trainer
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_files
 from trainer.loop import NonFiniteLoss
 
 
@@ -198,7 +198,7 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def all_finite(path: Path) -> bool:
-    state = checkpoint.load(path)
+    state = checkpoint_files.load(path)
     tensors = [*state["params"].values(), *(t for entry in state["optim"].values() for t in entry.values())]
     return all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
 
@@ -284,7 +284,7 @@ def test_when_no_checkpoint_is_usable_the_run_stops_and_keeps_them_as_corrupt(tm
         return {p.relative_to(ckpts).as_posix().replace(".corrupt", ""): p.read_bytes()
                 for p in ckpts.glob("step_*.corrupt/*")}
 
-    with pytest.raises(checkpoint.CheckpointError) as err:
+    with pytest.raises(checkpoint_files.CheckpointError) as err:
         make_trainer(tmp_path, ["trainer.batch_size=2"])
     message = str(err.value)
     assert "\n" not in message and f"no usable checkpoint in {ckpts}" in message
@@ -294,7 +294,7 @@ def test_when_no_checkpoint_is_usable_the_run_stops_and_keeps_them_as_corrupt(tm
     assert not [p for p in ckpts.glob("step_*") if not p.name.endswith(".corrupt")]
     assert set_aside() == originals
     # A second start still refuses: the set-aside files are not forgotten.
-    with pytest.raises(checkpoint.CheckpointError, match="step_00000008.corrupt .set aside by an earlier start"):
+    with pytest.raises(checkpoint_files.CheckpointError, match="step_00000008.corrupt .set aside by an earlier start"):
         make_trainer(tmp_path, ["trainer.batch_size=2"])
     # Starting over is an explicit choice, and it overwrites nothing.
     make_trainer(tmp_path, ["trainer.batch_size=2", "checkpoint.resume=none"]).train()

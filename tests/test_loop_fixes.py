@@ -11,7 +11,7 @@ import torch
 from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import poison_step
-from trainer import checkpoint
+from trainer import checkpoint_state
 from trainer import preemption
 from trainer.preemption import PreemptionFlag
 from parallel.mesh import Mesh
@@ -111,10 +111,10 @@ def test_tokens_and_skipped_steps_survive_a_resume_with_a_new_batch(tmp_path):
 def test_checkpoints_without_the_counts_still_load(tmp_path):
     trainer = make_trainer(tmp_path, SMALL + ["trainer.batch_size=2"])
     trainer.train_step(measure=False)
-    state = checkpoint.logical_state(trainer)
+    state = checkpoint_state.logical_state(trainer)
     del state["tokens"], state["skipped_steps"]  # a checkpoint from before they were saved
     trainer.tokens, trainer.skipped_steps = -1, -1
-    checkpoint.restore(trainer, state)
+    checkpoint_state.restore(trainer, state)
     assert trainer.tokens == trainer.tokens_per_step and trainer.skipped_steps == 0
 
 

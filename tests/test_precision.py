@@ -138,9 +138,9 @@ def test_trainer_logs_and_records_the_resolved_precision(tmp_path, bf16_speedup,
     assert (saved["trainer"]["precision"], saved["optim"]["muon"]["ns_dtype"]) == ("fp32", "fp32")
     assert saved["model"]["vocab_size"] == trainer.model_cfg.vocab_size > 0
     trainer.train()
-    from trainer import checkpoint
+    from trainer import checkpoint_files
 
-    state = checkpoint.load(tmp_path / "checkpoints" / "step_00000001")
+    state = checkpoint_files.load(tmp_path / "checkpoints" / "step_00000001")
     assert state["config"]["trainer"]["precision"] == "fp32"
     # Resumed where bf16 measures faster: the run goes on in fp32, as it started.
     bf16_speedup(3.0)

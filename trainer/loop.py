@@ -28,7 +28,7 @@ from optim.builder import build_optimizer, muon_ns_shapes
 from optim.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
 from optim.schedule import lr_at
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer import device as dev
 from trainer import run_env
 from trainer.config import TrainConfig, layout_keys
@@ -154,7 +154,7 @@ class Trainer:
         self.pending_save: Optional[checkpoint.PendingSave] = None
         self._async_group = None
         if resumed is not None:
-            checkpoint.restore(self, resumed)
+            checkpoint_state.restore(self, resumed)
             log.info("resumed from step %d", self.step)
             if Path(resumed["path"]).parent == self.checkpoint_dir:
                 self.unconfirmed_checkpoint = self.step
@@ -348,10 +348,10 @@ class Trainer:
             return
         self.unconfirmed_checkpoint = None
         if report.first != saved + 1 and self.mesh.is_main:
-            checkpoint.mark_good(self.checkpoint_dir, saved)
+            checkpoint_files.mark_good(self.checkpoint_dir, saved)
 
     def last_good_line(self) -> str:
-        good = checkpoint.last_good(self.checkpoint_dir)
+        good = checkpoint_files.last_good(self.checkpoint_dir)
         if good is None:
             return f"No good checkpoint was written in {self.checkpoint_dir}."
         return f"Last good checkpoint: {good}."
@@ -372,7 +372,7 @@ class Trainer:
         checkpoint.async_save."""
         self._collect_skips()
         with region("checkpoint"):
-            if not checkpoint.state_is_finite(self):
+            if not checkpoint_state.state_is_finite(self):
                 raise NonFiniteLoss(
                     f"diverged: the weights or optimizer state hold NaN/inf at step {self.step}; no checkpoint "
                     f"was written. {self.last_good_line()}"

@@ -1,0 +1,207 @@
+"""The checkpoint directory on disk: step names, the `latest` and `last_good` pointers,
+manifests and digests, verification, rotation, setting aside, and reading a checkpoint whole.
+
+Nothing here knows a trainer: trainer/checkpoint_state.py turns a trainer into the tensors a
+checkpoint holds and back, and trainer/checkpoint.py saves and finds them across ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from data.atomic import atomic_output
+from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks
+
+
+FORMAT_VERSION = 1  # the single-file format
+
+
+SHARDED_FORMAT = 2
+
+
+META_FILE = "trainer.json"
+
+
+MANIFEST_FILE = "manifest.sha256"
+
+
+HASH_CHUNK_BYTES = 8 << 20
+
+
+CORRUPT_SUFFIX = ".corrupt"
+
+
+STEP_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file it concerns."""
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step_{step:08d}"
+
+
+def checkpoints_in(directory: Path) -> list[Path]:
+    """The checkpoints in `directory` (sharded dirs and single files), newest first."""
+    found = [p for p in directory.glob("step_*") if STEP_NAME.match(p.name)]
+    return sorted(found, key=lambda p: (int(STEP_NAME.match(p.name).group(1)), p.is_dir()), reverse=True)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).exists()
+
+
+def last_good(directory: Path) -> Optional[Path]:
+    """The checkpoint that the `last_good` pointer names, if it is still there."""
+    pointer = directory / "last_good"
+    if not pointer.exists():
+        return None
+    path = directory / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+def mark_good(directory: Path, step: int) -> None:
+    """Point `last_good` at the checkpoint of `step` (rank 0 only)."""
+    with atomic_output(directory / "last_good") as f:
+        f.write(checkpoint_path(directory, step).name.encode())
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in chunks: checkpoint files can be larger than memory."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rotate(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, never the `last_good` one."""
+    protected = last_good(directory)
+    for old in checkpoints_in(directory)[keep:] if keep > 0 else []:
+        if old == protected:
+            continue  # the one to go back to if the newer ones come from a diverging run
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+            old.with_suffix(".sha256").unlink(missing_ok=True)
+
+
+def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the manifest and the digests of this rank's share of the files (rank, world)."""
+    manifest = path / MANIFEST_FILE
+    if not (path / META_FILE).exists():
+        raise CheckpointError(f"{path}: no {META_FILE} (not a checkpoint, or an incomplete one)")
+    if not manifest.exists():
+        raise CheckpointError(f"{path}: its manifest {MANIFEST_FILE} is missing (incomplete checkpoint)")
+    listed = {}
+    for line in manifest.read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        listed[name] = digest
+    names = sorted(listed)
+    rank, world = share
+    for name in names[rank::world]:
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"{file}: missing (the manifest lists it)")
+        if file_digest(file) != listed[name]:
+            raise CheckpointError(f"{file}: checksum does not match {MANIFEST_FILE} (truncated or corrupted)")
+
+
+def _read_sharded_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path / META_FILE}: cannot be read ({err})") from err
+    if meta.get("format") != SHARDED_FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')} is not {SHARDED_FORMAT}")
+    meta["path"] = str(path)
+    meta["sharded"] = True
+    return meta
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    """A single-file checkpoint (the format before sharded ones), verified."""
+    manifest = path.with_suffix(".sha256")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not manifest.exists():
+        raise CheckpointError(f"{path}: its manifest {manifest.name} is missing (incomplete checkpoint)")
+    expected = manifest.read_text().split()[0]
+    if file_digest(path) != expected:
+        raise CheckpointError(f"{path}: checksum does not match {manifest.name} (truncated or corrupted)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a file that verifies but does not unpickle is still unusable
+        raise CheckpointError(f"{path}: cannot be read ({err})") from err
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format {state.get('format')} is not {FORMAT_VERSION}")
+    state["path"] = str(path)
+    return state
+
+
+def open_checkpoint(path: Path, share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Verify a checkpoint (a sharded dir: this rank's share of its files) and read what it
+    says of the run; the tensors of a sharded one are read by `restore` or `load`."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        _verify_sharded(path, share)
+        return _read_sharded_meta(path)
+    return _load_file(path)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A whole checkpoint in one process, as full logical tensors: {"params", "buffers",
+    "optim", "config", "step", ...}. For export and sampling."""
+    state = open_checkpoint(path)
+    if not state.get("sharded"):
+        return state
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    full = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in metadata.items()}
+    dcp.load({k: Chunks(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in full.items()},
+             storage_reader=dcp.FileSystemReader(str(path)), planner=ChunkLoadPlanner(), no_dist=True)
+    state["params"] = {k[len("model/"):]: t for k, t in full.items() if k.startswith("model/")}
+    state["buffers"] = {k[len("buffer/"):]: t for k, t in full.items() if k.startswith("buffer/")}
+    state["optim"] = {}
+    for k, t in full.items():
+        if k.startswith("optim/"):
+            name, key = k[len("optim/"):].rsplit("/", 1)
+            state["optim"].setdefault(name, {})[key] = t
+    return state
+
+
+def set_aside(path: Path) -> list[Path]:
+    """Rename an unusable checkpoint (and a single file's manifest) to *.corrupt, never over
+    an earlier one, so that a run writing the same step again cannot overwrite them."""
+    moved = []
+    for file in (path, path.with_suffix(".sha256")) if path.suffix == ".pt" else (path,):
+        if not file.exists():
+            continue
+        target = file.with_name(file.name + CORRUPT_SUFFIX)
+        n = 1
+        while target.exists():
+            target = file.with_name(f"{file.name}{CORRUPT_SUFFIX}.{n}")
+            n += 1
+        file.rename(target)
+        moved.append(target)
+    return moved
