@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from eval import fast_dtype
 from optim.muon import Muon
 from tests.conftest import compose
 from tests.distributed import run_distributed
@@ -31,45 +32,45 @@ CPU = torch.device("cpu")
 def bf16_speedup(monkeypatch):
     """Set what the start-up matmul measurement reports: bf16 throughput / fp32's."""
     def set_speedup(value: float) -> None:
-        monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: value)
-        precision.fast_precision.cache_clear()
+        monkeypatch.setattr(fast_dtype, "cpu_bf16_speedup", lambda: value)
+        fast_dtype.fast_precision.cache_clear()
 
     yield set_speedup
-    precision.fast_precision.cache_clear()  # later tests measure this machine again
+    fast_dtype.fast_precision.cache_clear()  # later tests measure this machine again
 
 
 def test_auto_is_fp32_on_a_cpu_whose_bf16_matmul_is_slower(bf16_speedup):
     bf16_speedup(0.05)  # an AVX2-only CPU: bf16 about 20x slower
-    choice = precision.resolve_precision("auto", CPU)
+    choice = fast_dtype.resolve_precision("auto", CPU)
     assert choice.precision == "fp32"
     assert "0.05x" in choice.reason
 
 
 def test_auto_is_bf16_on_a_cpu_whose_bf16_matmul_is_really_faster(bf16_speedup):
     bf16_speedup(2.0)  # a CPU with bf16 units (AMX, AVX512-BF16)
-    assert precision.resolve_precision("auto", CPU).precision == "bf16"
+    assert fast_dtype.resolve_precision("auto", CPU).precision == "bf16"
     bf16_speedup(1.05)  # a tie is not worth bf16's precision loss
-    assert precision.resolve_precision("auto", CPU).precision == "fp32"
+    assert fast_dtype.resolve_precision("auto", CPU).precision == "fp32"
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 0), "fp32")])
 def test_auto_on_cuda_follows_the_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
-    precision.fast_precision.cache_clear()
+    fast_dtype.fast_precision.cache_clear()
     try:
-        choice = precision.fast_precision(torch.device("cuda", 0))
+        choice = fast_dtype.fast_precision(torch.device("cuda", 0))
     finally:
-        precision.fast_precision.cache_clear()
+        fast_dtype.fast_precision.cache_clear()
     assert choice.precision == expected
     assert f"compute capability {capability[0]}.{capability[1]}" in choice.reason
 
 
 def test_an_explicit_precision_wins_over_the_measurement(bf16_speedup):
     bf16_speedup(0.05)
-    assert precision.resolve_precision("bf16", CPU) == precision.PrecisionChoice("bf16", "set explicitly")
+    assert fast_dtype.resolve_precision("bf16", CPU) == fast_dtype.PrecisionChoice("bf16", "set explicitly")
     bf16_speedup(3.0)
-    assert precision.resolve_precision("fp32", CPU).precision == "fp32"
+    assert fast_dtype.resolve_precision("fp32", CPU).precision == "fp32"
 
 
 def test_run_resolution_replaces_auto_and_says_why(bf16_speedup):
@@ -94,8 +95,8 @@ def test_adamw_with_an_explicit_precision_measures_nothing(monkeypatch):
     def measure() -> float:
         raise AssertionError("measured bf16 although nothing asked for auto")
 
-    monkeypatch.setattr(precision, "cpu_bf16_speedup", measure)
-    precision.fast_precision.cache_clear()
+    monkeypatch.setattr(fast_dtype, "cpu_bf16_speedup", measure)
+    fast_dtype.fast_precision.cache_clear()
     cfg = to_dataclass(compose(["optim=adamw", "trainer.precision=fp32"]))  # ns_dtype stays "auto"
     resolved, line = precision.resolve_run_precisions(cfg, CPU, Mesh())
     assert resolved.trainer.precision == "fp32" and line == "precision: fp32 training (set explicitly)"
@@ -116,7 +117,7 @@ def test_a_resumed_auto_run_keeps_the_precision_it_started_with(bf16_speedup):
 
 def _resolve_with_a_disagreeing_measurement(rank: int, world: int) -> tuple[str, str]:
     # Ranks sharing a CPU time their matmuls at different moments and may disagree.
-    precision.cpu_bf16_speedup = lambda: 0.05 if rank == 0 else 3.0
+    fast_dtype.cpu_bf16_speedup = lambda: 0.05 if rank == 0 else 3.0
     cfg = to_dataclass(compose(["optim=muon"]))
     resolved, _ = precision.resolve_run_precisions(cfg, CPU, build_mesh(1))
     return resolved.trainer.precision, resolved.optim.muon.ns_dtype

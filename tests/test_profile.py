@@ -52,7 +52,7 @@ def test_single_process_run_writes_a_chrome_trace_with_our_regions(tmp_path):
 
 
 def test_regions_cost_nothing_when_no_profiler_records():
-    from model import comm
+    from parallel import comm
 
     assert comm.region("forward_backward") is comm._NO_REGION
     assert comm._comm_region(None, "all_reduce") is comm._NO_REGION
