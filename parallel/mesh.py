@@ -14,6 +14,7 @@ and owns ZeRO-1's optimizer state.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -233,8 +234,34 @@ def mesh_groups(mesh: Mesh) -> list[dist.ProcessGroup]:
     return groups
 
 
+def release_dtensor_caches() -> None:
+    """Drop DTensor's caches of sharding decisions and redistribution plans. Their entries hold
+    DTensor specs or planners, which hold the DeviceMesh, which holds its process groups: after
+    FSDP2 (even fully_shard alone) they kept the groups, and their gloo threads, alive past
+    destroy_process_group into interpreter shutdown, where such threads can abort the process.
+    Called before any group is destroyed."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:  # the C++ cache (torch 2.10 and later)
+        clear()
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing made a DTensor: no Python-side cache to clear
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    # Redistribution planners, keyed by a weak reference to their mesh but holding it strongly.
+    planners = getattr(_redistribute, "_planner_cache", None)
+    if planners is not None:
+        planners.clear()
+    gc.collect()  # the meshes those entries held may sit in reference cycles
+
+
 def destroy_mesh() -> None:
     if dist.is_initialized():
+        release_dtensor_caches()
         dist.destroy_process_group()
 
 
@@ -247,5 +274,6 @@ def release_subgroups(mesh: Mesh) -> None:
     """
     if not dist.is_initialized():
         return
+    release_dtensor_caches()
     for group in mesh_groups(mesh):
         dist.destroy_process_group(group)

@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 # torch.distributed.checkpoint) they would hold the default group past destroy_process_group.
 import torch.distributed.nn.functional  # noqa: F401
 
+from parallel.mesh import destroy_mesh
+
 # gloo's threads: a device's socket loop and a group's workers. They end when their process
 # group is freed; see _leftover_gloo_threads.
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -56,9 +58,10 @@ def _worker(rank: int, world_size: int, rendezvous: str, out_dir: str, fn: Calla
     except BaseException:  # report any failure to the parent with its traceback
         payload = ("error", traceback.format_exc())
     finally:
-        # Groups fn built and dropped in reference cycles go now, with the interpreter whole.
+        # Groups fn built and dropped in reference cycles go now, with the interpreter whole,
+        # and so do those that DTensor's caches hold (after FSDP2).
         gc.collect()
-        dist.destroy_process_group()
+        destroy_mesh()
     leftover = _leftover_gloo_threads()
     if leftover and payload[0] == "ok":
         payload = ("error", f"a process group outlived destroy_process_group (gloo threads still running: "
