@@ -8,18 +8,11 @@
 """
 from __future__ import annotations
 
-import signal
 import sys
 
+from trainer.interrupts import install_start_up_handler
 
-def _interrupted_during_startup(signum, frame) -> None:
-    # Ctrl-C before training starts (importing torch, building the corpus, the model) has
-    # nothing to save: exit as a shell expects (128 + SIGINT), without a traceback. Once
-    # training runs, the trainer takes SIGINT over and checkpoints before exiting.
-    raise SystemExit(130)
-
-
-signal.signal(signal.SIGINT, _interrupted_during_startup)
+install_start_up_handler()
 
 # The imports below come after the handler: importing torch alone takes seconds.
 import atexit

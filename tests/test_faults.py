@@ -392,6 +392,26 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()  # it never reached training
 
 
+def test_a_ctrl_c_lost_during_start_up_still_stops_the_run_before_training(monkeypatch):
+    """Before: once, under load, the handler's SystemExit vanished and the run trained on.
+    Here it is lost on purpose; training, about to take SIGINT over, still exits 130."""
+    from trainer import interrupts
+    from trainer.preemption import PreemptionFlag
+
+    previous = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(interrupts, "_interrupted", False)
+    interrupts.install_start_up_handler()
+    try:
+        with pytest.raises(SystemExit):
+            signal.raise_signal(signal.SIGINT)  # caught here as if by code that drops it
+        with pytest.raises(SystemExit) as stopped:
+            PreemptionFlag()
+        assert stopped.value.code == 130
+        assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint_during_start_up  # not taken over
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_skip_collected_at_a_checkpoint_still_reaches_the_metrics(tmp_path):
     """Step 1 is skipped on the device; the checkpoint at step 2 (not a logging step) reads the
     count; the logging step 3 must still report it."""

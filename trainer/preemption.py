@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from parallel.comm import all_reduce, world
 from parallel.mesh import Mesh
+from trainer.interrupts import exit_if_interrupted_during_start_up
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a scheduler expects of a job it terminated
 
@@ -25,6 +26,7 @@ class PreemptionFlag:
         self.device = device
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
+            exit_if_interrupted_during_start_up()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.previous[sig] = signal.signal(sig, self._handle)
 
