@@ -15,6 +15,12 @@ whole matrix, so per step, over the group:
 A 3-D expert stack [E, rows, cols] is split over its experts, so each rank already holds
 whole experts: they are orthogonalised where they are, with no exchange.
 
+With tensor parallelism the rows above are those of the TP-local shard (FSDP2 shards what TP
+left on the rank). An owner then also all-gathers its matrices over TP before Newton-Schulz,
+as Muon's tp_mode=gather does, and keeps its TP shard of the result: the DP gather -> TP
+gather -> Newton-Schulz -> TP shard -> DP shard of Distributed Muon. Every rank of a TP group
+sits at the same place in its dp_shard group and so owns the same matrices.
+
 Bytes per step, besides the data-parallel reduce-scatter and all-gathers that shard the
 gradients and gather the weights: each 2-D matrix goes through the all-to-alls twice, once as
 rows to its owner in the parameters' dtype and once back as the update in the Newton-Schulz
@@ -32,7 +38,7 @@ from torch import Tensor
 from optim.muon import validate_group, parse_ns_dtype
 from optim.newton_schulz import NSShape, iteration_for, momentum_update, muon_scale, newton_schulz
 from optim.zero_plan import ParamSpec, build_plan
-from parallel.comm import Group, all_to_all_into, group_rank, group_size
+from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size
 
 
 def row_range(rows: int, n: int, rank: int) -> tuple[int, int]:
@@ -45,8 +51,8 @@ def row_range(rows: int, n: int, rank: int) -> tuple[int, int]:
 class _Matrix:
     """One 2-D parameter: where its rows live and who orthogonalises it."""
 
-    index: int  # position in the optimizer's parameter list
-    rows: int
+    index: int  # position in the optimizer's list of all parameters, group by group
+    rows: int  # of the (TP-local) matrix the group shards
     cols: int
     owner: int
 
@@ -82,17 +88,21 @@ class ShardedMuon(torch.optim.Optimizer):
     constructs it with its own shards, in the same order, and steps together.
 
     Args:
-        params: this rank's shards (rows start, stop of row_range) of 2-D matrices or 3-D
-            expert stacks; a 3-D stack is split over its first (expert) dimension.
-        full_shapes: every parameter's unsharded shape, in the same order.
+        params: this rank's shards of 2-D matrices or 3-D expert stacks (rows start, stop of
+            row_range; a 3-D stack is split over its first, expert, dimension), or param
+            groups: dicts with "params" and, aligned with them, "full_shapes" (and, for
+            TP-sharded matrices, "tp_split_dims": 0, 1 or None each), plus any option below.
+        full_shapes: every parameter's unsharded (TP-local) shape, when `params` is a list.
         group: the group the rows are sharded over (None: one process holding everything).
-        The rest as optim.muon.Muon (one parameter group).
+        tp_group: the TP group (None: no tensor parallelism).
+        The rest as optim.muon.Muon. Like Muon, `step` honours a `found_inf` attribute (a 0-d
+        float tensor, 1.0 to skip the step on the device without a host sync).
     """
 
     def __init__(
         self,
-        params: Sequence[Tensor],
-        full_shapes: Sequence[Sequence[int]],
+        params: Sequence[Tensor] | Sequence[dict[str, Any]],
+        full_shapes: Optional[Sequence[Sequence[int]]],
         group: Group,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
@@ -106,70 +116,120 @@ class ShardedMuon(torch.optim.Optimizer):
         ns_method: str = "standard",
         ns_by_shape: Optional[dict[str, str]] = None,
         cautious_wd: bool = False,
+        tp_group: Group = None,
     ) -> None:
         params = list(params)
-        self.full_shapes = [torch.Size(s) for s in full_shapes]
-        if len(self.full_shapes) != len(params):
-            raise ValueError(f"ShardedMuon: {len(params)} parameters but {len(self.full_shapes)} full shapes")
+        if params and not isinstance(params[0], dict):
+            if full_shapes is None or len(full_shapes) != len(params):
+                raise ValueError(f"ShardedMuon: {len(params)} parameters but "
+                                 f"{0 if full_shapes is None else len(full_shapes)} full shapes")
+            params = [{"params": params, "full_shapes": list(full_shapes)}]
         self.group = group
-        n, me = group_size(group), group_rank(group)
-        for i, (p, full) in enumerate(zip(params, self.full_shapes)):
-            start, stop = row_range(full[0], n, me)
-            if p.dim() not in (2, 3) or p.shape != torch.Size((stop - start, *full[1:])):
-                raise ValueError(f"ShardedMuon: parameter {i} of shape {tuple(p.shape)} is not rank {me}'s rows "
-                                 f"[{start}, {stop}) of {tuple(full)} split {n} ways")
+        self.tp_group = tp_group
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         coefficients=coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
                         split_rows=None, tp_group=None, tp_mode="gather", ns_method=ns_method, normuon=False,
                         normuon_beta2=0.95, ns_by_shape=ns_by_shape)
         validate_group({**defaults, "params": []})  # the defaults themselves, as Muon checks them
         super().__init__(params, defaults)
-        if len(self.param_groups) != 1:
-            raise ValueError("ShardedMuon takes one parameter group")
         self.cautious_wd = cautious_wd
-        self.matrices = _plan(self.full_shapes, n)
+        self.matrices = _plan(self.full_shapes, group_size(group))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        shapes = [torch.Size(s) for s in param_group.get("full_shapes", ())]
+        splits = list(param_group.get("tp_split_dims") or [None] * len(shapes))
+        n, me = group_size(self.group), group_rank(self.group)
+        plist = list(param_group["params"])
+        if len(shapes) != len(plist) or len(splits) != len(plist):
+            raise ValueError("ShardedMuon: a param group needs one full shape (and TP split) per parameter")
+        for i, (p, full) in enumerate(zip(plist, shapes)):
+            start, stop = row_range(full[0], n, me)
+            if p.dim() not in (2, 3) or p.shape != torch.Size((stop - start, *full[1:])):
+                raise ValueError(f"ShardedMuon: parameter {i} of shape {tuple(p.shape)} is not rank {me}'s rows "
+                                 f"[{start}, {stop}) of {tuple(full)} split {n} ways")
+            if splits[i] is not None and (p.dim() != 2 or splits[i] not in (0, 1)):
+                raise ValueError(f"ShardedMuon: parameter {i}: a TP split dim must be 0 or 1 of a 2-D matrix")
+        param_group["full_shapes"], param_group["tp_split_dims"] = shapes, splits
         super().add_param_group(param_group)
         validate_group(self.param_groups[-1])  # canonical ns_dtype ("auto" resolved on the shards' device)
+
+    @property
+    def full_shapes(self) -> list[torch.Size]:
+        return [s for g in self.param_groups for s in g["full_shapes"]]
+
+    def _entries(self) -> list[tuple[dict[str, Any], Tensor, torch.Size, Optional[int]]]:
+        """(group, shard, full shape, TP split dim) of every parameter, group by group."""
+        return [(g, p, s, t) for g in self.param_groups for p, s, t in zip(g["params"], g["full_shapes"],
+                                                                           g["tp_split_dims"])]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("ShardedMuon.step takes no closure")
-        group = self.param_groups[0]
-        params: list[Tensor] = group["params"]
-        if any(p.grad is None for p in params):
+        entries = self._entries()
+        if any(p.grad is None for _, p, _, _ in entries):
             raise ValueError("ShardedMuon.step: every shard needs a gradient (a rank without rows of a "
                              "matrix holds an empty one)")
-        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-        inputs = [torch.empty_like(p) for p in params]
-        momentum_update(bufs, [p.grad for p in params], inputs, group["momentum"], group["nesterov"])
-        updates: list[Optional[Tensor]] = [None] * len(params)
-        # Expert stacks: whole experts on every rank, orthogonalised in place.
-        for i, p in enumerate(params):
-            if p.dim() == 3:
-                updates[i] = self._orthogonalise([inputs[i]], group)[0]
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else (found_inf == 0).to(torch.float32)
+        inputs = [torch.empty_like(p) for _, p, _, _ in entries]
+        for g in self.param_groups:
+            idx = [i for i, e in enumerate(entries) if e[0] is g]
+            params = [entries[i][1] for i in idx]
+            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            grads = [p.grad for p in params]
+            if keep is None:
+                momentum_update(bufs, grads, [inputs[i] for i in idx], g["momentum"], g["nesterov"])
+                continue
+            # A skipped step: the gradient counts as zero and the momentum keeps its value (NaN * 0
+            # is NaN, so the gradient is overwritten, not scaled); the update is gated below.
+            skip = keep == 0
+            grads = [torch.where(skip, 0.0, gr) for gr in grads]
+            torch._foreach_mul_(bufs, torch.where(skip, 1.0, g["momentum"]))
+            torch._foreach_add_(bufs, grads)
+            for i, gr, buf in zip(idx, grads, bufs):
+                inputs[i].copy_(gr + g["momentum"] * buf if g["nesterov"] else buf)
+        updates: list[Optional[Tensor]] = [None] * len(entries)
+        # Expert stacks: whole experts on every rank, orthogonalised where they are.
+        stacks = [i for i, (_, p, _, _) in enumerate(entries) if p.dim() == 3]
+        for i, u in zip(stacks, self._orthogonalise([inputs[i] for i in stacks], [entries[i][0] for i in stacks])):
+            updates[i] = u
         fulls = self._gather_to_owners(inputs)
-        ortho = dict(zip(fulls, self._orthogonalise(list(fulls.values()), group)))
-        for i, rows in self._scatter_from_owners(ortho, inputs).items():
+        owned = list(fulls)
+        tp_full = [self._tp_gather(fulls[i], entries[i][3]) for i in owned]
+        ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned])
+        ortho_local = {i: self._tp_shard(o, entries[i][3]) for i, o in zip(owned, ortho)}
+        for i, rows in self._scatter_from_owners(ortho_local, inputs).items():
             updates[i] = rows
-        self._apply(params, updates, group)
+        self._apply(entries, updates, keep)
 
-    def _orthogonalise(self, matrices: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Newton-Schulz of each matrix (or stack), one call per shape, left in the Newton-Schulz
-        dtype: the iteration's last product is in that dtype already, so sending it back that way
-        loses nothing and, in bf16, halves the return trip."""
+    def _tp_gather(self, local: Tensor, split: Optional[int]) -> Tensor:
+        """The whole matrix from every TP rank's (TP-local) one, along the TP split."""
+        if split is None or group_size(self.tp_group) == 1:
+            return local
+        tp = group_size(self.tp_group)
+        gathered = local.new_empty((tp, *local.shape))
+        all_gather_into(gathered, local, self.tp_group)
+        return torch.cat(gathered.unbind(0), dim=split)
+
+    def _tp_shard(self, full: Tensor, split: Optional[int]) -> Tensor:
+        if split is None or group_size(self.tp_group) == 1:
+            return full
+        return full.chunk(group_size(self.tp_group), dim=split)[group_rank(self.tp_group)].contiguous()
+
+    def _orthogonalise(self, matrices: list[Tensor], groups: list[dict[str, Any]]) -> list[Tensor]:
+        """Newton-Schulz of each matrix (or stack), one call per shape and setting, left in the
+        Newton-Schulz dtype: the iteration's last product is in that dtype already, so sending
+        it back that way loses nothing and, in bf16, halves the return trip."""
         out: list[Optional[Tensor]] = [None] * len(matrices)
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for j, m in enumerate(matrices):
-            by_shape.setdefault(tuple(m.shape[-2:]), []).append(j)
-        dtype = parse_ns_dtype(group["ns_dtype"])
-        for (rows, cols), idx in by_shape.items():
+        batches: dict[tuple, list[int]] = {}
+        for j, (m, g) in enumerate(zip(matrices, groups)):
+            setting = (g["ns_steps"], g["coefficients"], parse_ns_dtype(g["ns_dtype"]), g["eps"], g["ns_method"])
+            batches.setdefault((tuple(m.shape[-2:]), setting, id(g)), []).append(j)
+        for ((rows, cols), (steps, coefficients, dtype, eps, method), _), idx in batches.items():
             stack = torch.cat([matrices[j].reshape(-1, rows, cols) for j in idx])
-            iteration = iteration_for(group["ns_method"], NSShape(rows, cols), group["ns_steps"], group["ns_by_shape"])
-            orth = (newton_schulz(stack, group["ns_steps"], group["coefficients"], dtype, group["eps"],
-                                  out_dtype=dtype, iteration=iteration)
+            iteration = iteration_for(method, NSShape(rows, cols), steps, groups[idx[0]]["ns_by_shape"])
+            orth = (newton_schulz(stack, steps, coefficients, dtype, eps, out_dtype=dtype, iteration=iteration)
                     if stack.shape[0] else stack.to(dtype))
             offset = 0
             for j in idx:
@@ -211,7 +271,10 @@ class ShardedMuon(torch.optim.Optimizer):
         in_splits = [sum(t.numel() for t in p) for p in pieces]
         from_owner = [[m for m in self.matrices if m.owner == src] for src in range(n)]
         out_splits = [sum(m.elements_of(n, me) for m in ms) for ms in from_owner]
-        reference = inputs[0].new_empty(0, dtype=parse_ns_dtype(self.param_groups[0]["ns_dtype"]))
+        dtypes = {o.dtype for o in ortho.values()} or {parse_ns_dtype(self.param_groups[0]["ns_dtype"])}
+        if len(dtypes) > 1:
+            raise ValueError("ShardedMuon: every param group must share ns_dtype (one return trip)")
+        reference = inputs[0].new_empty(0, dtype=dtypes.pop())
         received = reference.new_empty(sum(out_splits))
         all_to_all_into(received, torch.cat([t for p in pieces for t in p]) if sum(in_splits)
                         else reference.new_empty(0), out_splits, in_splits, self.group)
@@ -224,14 +287,22 @@ class ShardedMuon(torch.optim.Optimizer):
                 offset += count
         return rows
 
-    def _apply(self, params: list[Tensor], updates: list[Optional[Tensor]], group: dict[str, Any]) -> None:
+    def _apply(self, entries: list[tuple[dict[str, Any], Tensor, torch.Size, Optional[int]]],
+               updates: list[Optional[Tensor]], keep: Optional[Tensor]) -> None:
         """p <- p * (1 - lr * wd) - lr * scale * O on this rank's rows, scale for the whole
-        matrix's shape, as optim/muon.py's update; with cautious_wd the decay only where O and p
-        agree in sign."""
-        lr, decay = group["lr"], group["lr"] * group["weight_decay"]
-        for p, u, full in zip(params, updates, self.full_shapes):
+        matrix's shape (TP included), as optim/muon.py's update; with cautious_wd the decay only
+        where O and p agree in sign. `keep` == 0 (a skipped step) leaves p as it is."""
+        tp = group_size(self.tp_group)
+        for (g, p, full, split), u in zip(entries, updates):
+            rows, cols = full[-2], full[-1]
+            if split is not None:
+                rows, cols = (rows * tp, cols) if split == 0 else (rows, cols * tp)
+            lr, decay = g["lr"], g["lr"] * g["weight_decay"]
+            alpha = -lr * muon_scale(rows, cols, g["adjust_lr"])
+            if keep is not None:
+                u = u * keep  # a skipped step's update is zero (so no cautious decay either)
             if decay != 0 and self.cautious_wd:
                 p.mul_(torch.where(u * p > 0, 1.0 - decay, 1.0))
             elif decay != 0:
-                p.mul_(1.0 - decay)
-            p.add_(u, alpha=-lr * muon_scale(full[-2], full[-1], group["adjust_lr"]))
+                p.mul_(1.0 - decay if keep is None else 1.0 - decay * keep)
+            p.add_(u, alpha=alpha)

@@ -95,3 +95,103 @@ def test_the_exchange_formula_counts_every_matrix_once_each_way():
 def test_a_shard_that_is_not_this_ranks_rows_is_refused():
     with pytest.raises(ValueError, match=r"parameter 0 of shape \(5, 8\) is not rank 0's rows \[0, 12\) of \(12, 8\)"):
         ShardedMuon([torch.nn.Parameter(torch.zeros(5, 8))], [(12, 8)], None, ns_dtype="fp32")
+
+
+# ---- a skipped step, param groups of their own, and tensor parallelism ----
+
+SKIPPED = 1  # the step whose gradients are NaN and whose found_inf is 1
+WD_BY_GROUP = (0.1, 0.0)  # 2-D matrices in one group, the rest in another
+
+
+def groups_of(tensors: list[torch.Tensor], shapes=None) -> list[dict]:
+    """Matrices 0-2 decay, the rest do not: Muon's param groups, or ShardedMuon's with shapes."""
+    out = []
+    for wd, members in zip(WD_BY_GROUP, ([0, 1, 2], [3, 4, 5])):
+        group = {"params": [tensors[i] for i in members], "weight_decay": wd}
+        if shapes is not None:
+            group["full_shapes"] = [shapes[i] for i in members]
+        out.append(group)
+    return out
+
+
+def step_with_skip(opt, params, grads_of) -> list[torch.Tensor]:
+    for step in range(STEPS):
+        for p, grad in zip(params, grads_of(step)):
+            p.grad = torch.full_like(grad, float("nan")) if step == SKIPPED else grad
+        opt.found_inf = torch.tensor(float(step == SKIPPED))
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def _grouped_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        start, stop = row_range(t.shape[0], world_size, rank)
+        return t[start:stop].clone()
+
+    shards = [torch.nn.Parameter(mine(p)) for p in initial_params()]
+    opt = ShardedMuon(groups_of(shards, SHAPES), None, dist.group.WORLD, **OPTIONS)
+    return step_with_skip(opt, shards, lambda step: [mine(g) for g in gradients(step)])
+
+
+def test_param_groups_and_a_step_skipped_on_the_device_as_muon_does():
+    params = [torch.nn.Parameter(p.clone()) for p in initial_params()]
+    expected = step_with_skip(Muon(groups_of(params), **OPTIONS), params, gradients)
+    results = run_distributed(_grouped_worker, 2)
+    for i, full in enumerate(expected):
+        torch.testing.assert_close(torch.cat([r[i] for r in results]), full, rtol=0, atol=1e-6,
+                                   msg=f"parameter {i} {SHAPES[i]}")
+    assert all(torch.isfinite(t).all() for r in results for t in r)
+
+
+# TP splits (0: rows, column-parallel; 1: columns, row-parallel) of the 2-D matrices.
+TP_SHAPES = [(12, 8), (8, 12), (16, 6)]
+TP_SPLITS = [0, 1, 0]
+
+
+def _tp_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    from parallel.comm import group_rank
+    from parallel.mesh import build_mesh
+
+    mesh = build_mesh(2, dp_shard=2)  # dp_shard 2 x tp 2
+    shard_group = mesh.device_mesh.get_group("dp_shard")
+    tp_rank, dp_rank = group_rank(mesh.tp_group), group_rank(shard_group)
+
+    def tp_local(t: torch.Tensor, split: int) -> torch.Tensor:
+        return t.chunk(2, dim=split)[tp_rank]
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        start, stop = row_range(t.shape[0], 2, dp_rank)
+        return t[start:stop].clone()
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=g) for s in TP_SHAPES]
+    local = [tp_local(t, d) for t, d in zip(full, TP_SPLITS)]
+    shards = [torch.nn.Parameter(mine(t)) for t in local]
+    opt = ShardedMuon([{"params": shards, "full_shapes": [t.shape for t in local], "tp_split_dims": TP_SPLITS}],
+                      None, shard_group, tp_group=mesh.tp_group, **OPTIONS)
+    for step in range(STEPS):
+        grads = [torch.randn(s, generator=torch.Generator().manual_seed(100 + step * 10 + i))
+                 for i, s in enumerate(TP_SHAPES)]
+        for p, grad, d in zip(shards, grads, TP_SPLITS):
+            p.grad = mine(tp_local(grad, d))
+        opt.step()
+    return [p.detach() for p in shards]
+
+
+def test_dp_shard_2_x_tp_2_orthogonalises_the_whole_matrices():
+    """DP gather -> TP gather -> Newton-Schulz -> TP shard -> DP shard, against Muon on the
+    whole matrices in one process."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in TP_SHAPES]
+    opt = Muon(params, **OPTIONS)
+    for step in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(TP_SHAPES[i], generator=torch.Generator().manual_seed(100 + step * 10 + i))
+        opt.step()
+    results = run_distributed(_tp_worker, 4)  # rank = dp_rank * 2 + tp_rank
+    for i, (expected, split) in enumerate(zip(params, TP_SPLITS)):
+        tp_parts = [torch.cat([results[dp * 2 + tp][i] for dp in range(2)]) for tp in range(2)]
+        got = torch.cat(tp_parts, dim=split)
+        torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-6, msg=f"matrix {i} {TP_SHAPES[i]}")
