@@ -1,7 +1,7 @@
 """Held-out loss on fixed batches, and the max attention logit on one of them."""
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,21 +18,27 @@ def eval_losses(
     eval_sets: dict[str, list[Batch]],
     autocast: Callable[[], ContextManager],
     dp_group: Group = None,
+    counted: Optional[dict[str, int]] = None,
 ) -> dict[str, float]:
     """Mean loss over each set's fixed batches, as {"val/<set>/loss": value}.
 
     Under data parallelism each rank holds a share of every set's batches; the sums and
-    counts are all-reduced once for all sets together.
+    counts are all-reduced once for all sets together. `counted[set]`: only that many of
+    the set's batches count, the rest are padding that keeps the ranks' forwards in step
+    (under FSDP2 every forward is a collective).
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     totals = torch.zeros(len(eval_sets), 2, device=device)  # [loss sum, batch count] per set
-    for i, batches in enumerate(eval_sets.values()):
-        for x, y in batches:
+    for i, (name, batches) in enumerate(eval_sets.items()):
+        real = len(batches) if counted is None else counted[name]
+        for j, (x, y) in enumerate(batches):
             with autocast():
-                totals[i, 0] += model(x, y).float()
-            totals[i, 1] += 1
+                loss = model(x, y).float()
+            if j < real:
+                totals[i, 0] += loss
+                totals[i, 1] += 1
     model.train(was_training)
     totals = all_reduce(totals, dp_group)
     values = (totals[:, 0] / totals[:, 1]).tolist()  # one device-to-host transfer

@@ -9,12 +9,16 @@ from collections import defaultdict
 
 import torch
 
-from parallel.tp_ops import Group, all_reduce
 from optim.routing import kind_of
+from parallel.fsdp import local_rows
+from parallel.tp_ops import Group, all_reduce
 
 
 class HealthStats:
-    def __init__(self, model: torch.nn.Module, tp_group: Group = None) -> None:
+    """`shard_group`: the group FSDP2 shards the parameters over (dp_shard), whose ranks each
+    hold some rows of every parameter; None without FSDP2."""
+
+    def __init__(self, model: torch.nn.Module, tp_group: Group = None, shard_group: Group = None) -> None:
         by_kind: dict[str, list[torch.Tensor]] = defaultdict(list)
         for name, param in model.named_parameters():
             if param.requires_grad:
@@ -22,16 +26,22 @@ class HealthStats:
         self.kinds = sorted(by_kind)
         self.params = [by_kind[k] for k in self.kinds]
         self.tp_group = tp_group
+        self.shard_group = shard_group
         # The RMS is that of the logical (single-process) tensor: TP shards record the
         # logical element count, which excludes the vocabulary padding rows (always zero).
         self.numel = [sum(getattr(p, "logical_numel", p.numel()) for p in plist) for plist in self.params]
 
     def snapshot(self) -> list[list[torch.Tensor]]:
         """Copies of the weights, taken before an optimizer step whose update is measured."""
-        return [[p.detach().clone() for p in plist] for plist in self.params]
+        return [[self._mine(p).clone() for p in plist] for plist in self.params]
+
+    @staticmethod
+    def _mine(p: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter (its FSDP2 rows, or all of it), detached."""
+        return local_rows(p.detach())[0]
 
     def weight_rms(self) -> dict[str, float]:
-        values = self._rms([[p.detach() for p in plist] for plist in self.params])
+        values = self._rms([[self._mine(p) for p in plist] for plist in self.params])
         return {f"model/weight_rms/{k}": v for k, v in zip(self.kinds, values)}
 
     def update_rms(self, before: list[list[torch.Tensor]], lr: float) -> dict[str, float]:
@@ -45,7 +55,7 @@ class HealthStats:
         if lr <= 0:
             return {}
         deltas = [
-            [p.detach() - old for p, old in zip(plist, olds)]
+            [self._mine(p) - old for p, old in zip(plist, olds)]
             for plist, olds in zip(self.params, before)
         ]
         values = self._rms(deltas)
@@ -60,5 +70,6 @@ class HealthStats:
             sharded.append(sum((s for s, f in zip(sq, is_sharded) if f), zero))
             replicated.append(sum((s for s, f in zip(sq, is_sharded) if not f), zero))
         total = all_reduce(torch.stack(sharded), self.tp_group) + torch.stack(replicated)
+        total = all_reduce(total, self.shard_group)  # FSDP2: every rank holds other rows
         numel = torch.tensor(self.numel, dtype=torch.float32, device=total.device)
         return (total / numel).sqrt().tolist()

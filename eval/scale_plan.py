@@ -24,6 +24,7 @@ of tp_mode=gather (the momentum all-gather of TP-sharded matrices). Newton-Schul
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -58,6 +59,8 @@ class Local:
     muon: bool
     matrices: tuple[tuple[int, int], ...]  # the whole matrices Newton-Schulz sees (E for experts)
     tp_sharded: bool
+    shape: tuple[int, ...] = ()  # TP-local
+    unit: int = -1  # its FSDP2 unit: the block's index, or ROOT_UNIT (embedding, final norm, head)
 
     @property
     def ns_flops(self) -> float:
@@ -88,8 +91,67 @@ def local_params(cfg: ModelConfig, tp: int) -> list[Local]:
                 shape[0] = padded_vocab(shape[0], tp)
             shape[dim] //= tp
         matrices = ((p.shape[-2], p.shape[-1]),) * (p.shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
-        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None))
+        block = re.match(r"blocks\.(\d+)\.", name)
+        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None,
+                         tuple(shape), int(block.group(1)) if block else ROOT_UNIT))
     return out
+
+
+# ---- FSDP2 (parallel/fsdp.py, optim/sharded_muon.py): per-rank bytes and memory ----
+
+ROOT_UNIT = -1
+
+
+def fsdp_padded_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements FSDP2 moves for a parameter sharded n ways: dim 0 padded to a multiple of n."""
+    return math.ceil(shape[0] / n) * n * math.prod(shape[1:])
+
+
+def fsdp_unit_numels(params: list[Local], n: int) -> dict[int, int]:
+    """Padded elements of each FSDP2 unit (a block, or the root)."""
+    units: dict[int, int] = {}
+    for p in params:
+        units[p.unit] = units.get(p.unit, 0) + fsdp_padded_numel(p.shape, n)
+    return units
+
+
+def fsdp_dp_bytes(params: list[Local], n: int, micro_batches: int = 1, param_bytes: int = 2,
+                  reshard_after_forward: bool = True) -> dict[str, float]:
+    """Per rank and optimizer step, as parallel/comm.py counts FSDP2's collectives (an
+    all-gather by its output, a reduce-scatter by its input): every micro-batch gathers each
+    block's parameters before its forward and, resharded after it, again before its backward,
+    and the root's once (it stays gathered to the backward); the gradients are reduce-scattered
+    once a step, in fp32."""
+    units = fsdp_unit_numels(params, n)
+    per_micro = sum(numel * (1 if unit == ROOT_UNIT or not reshard_after_forward else 2)
+                    for unit, numel in units.items())
+    return {"all_gather": micro_batches * per_micro * param_bytes, "reduce_scatter": 4 * sum(units.values())}
+
+
+def muon_exchange_bytes_per_rank(params: list[Local], n: int, ns_bytes: int = 2) -> float:
+    """ShardedMuon's two all-to-alls, per rank on average (optim/sharded_muon.exchange_bytes
+    over the group, divided by n): each 2-D matrix once to its owner in fp32, once back in the
+    Newton-Schulz dtype. Expert stacks stay where they are."""
+    if n == 1:
+        return 0.0
+    return (4 + ns_bytes) * sum(p.numel for p in params if p.muon and len(p.shape) == 2) / n
+
+
+def fsdp_memory(params: list[Local], n: int, optim: str, param_bytes: int = 2) -> dict[str, float]:
+    """Per-rank bytes under FSDP2: fp32 parameters and gradients sharded n ways (rank 0 holds
+    the most: ceil(rows / n) of each), optimizer state likewise (Muon: a momentum for its
+    matrices, AdamW two moments), and the largest unit gathered for compute. The vocabulary
+    padding of TP is in the shapes; tied or frozen parameters are not modelled."""
+    shard = sum(fsdp_padded_numel(p.shape, n) // n for p in params)
+    muon = sum(fsdp_padded_numel(p.shape, n) // n for p in params if p.muon and optim == "muon")
+    adamw_tensors = sum(1 for p in params if not (p.muon and optim == "muon"))
+    return {
+        "params": 4 * shard,
+        "grads": 4 * shard,
+        # AdamW also keeps a 4-byte step count per tensor
+        "optimizer_state": 4 * muon + 8 * (shard - muon) + 4 * adamw_tensors,
+        "gathered": param_bytes * max(fsdp_unit_numels(params, n).values()),
+    }
 
 
 def tp_gather_bytes(p: Local, tp: int) -> int:

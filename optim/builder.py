@@ -15,6 +15,7 @@ from optim.newton_schulz import NSShape
 from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import muon_split_rows, route_parameters
+from optim.sharded import ShardedOptimizer
 from optim.zero import ZeroOptimizer
 from parallel.mesh import Mesh
 
@@ -56,9 +57,12 @@ def muon_ns_shapes(model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelCon
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh = Mesh(),
     compile_updates: bool = False,
-) -> MuonWithAdamW | ZeroOptimizer:
-    """ZeRO-1 over DP when there is data parallelism, else a plain local optimizer.
+) -> MuonWithAdamW | ZeroOptimizer | ShardedOptimizer:
+    """The sharded optimizers on FSDP2's shards (parallel.dp_shard > 1), ZeRO-1 over DP when
+    there is data parallelism, else a plain local optimizer.
     `compile_updates`: Muon's elementwise work as compiled fused kernels (see Muon)."""
+    if mesh.layout.dp_shard > 1:
+        return ShardedOptimizer(model, cfg, model_cfg, mesh)
     if mesh.dp > 1:
         return ZeroOptimizer(model, cfg, model_cfg, mesh, compile_updates)
     params = dict(model.named_parameters())

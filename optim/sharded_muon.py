@@ -39,12 +39,7 @@ from optim.muon import validate_group, parse_ns_dtype
 from optim.newton_schulz import NSShape, iteration_for, momentum_update, muon_scale, newton_schulz
 from optim.zero_plan import ParamSpec, build_plan
 from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size
-
-
-def row_range(rows: int, n: int, rank: int) -> tuple[int, int]:
-    """Rank `rank`'s rows [start, stop) of `rows` split n ways as torch.chunk / Shard(0) split them."""
-    per = -(-rows // n)
-    return min(rank * per, rows), min((rank + 1) * per, rows)
+from parallel.fsdp import row_range
 
 
 @dataclass(frozen=True)
@@ -183,12 +178,19 @@ class ShardedMuon(torch.optim.Optimizer):
                 continue
             # A skipped step: the gradient counts as zero and the momentum keeps its value (NaN * 0
             # is NaN, so the gradient is overwritten, not scaled); the update is gated below.
+            # The same operations as momentum_update otherwise, so that a gated step that is
+            # not skipped rounds exactly as an ungated one (and a resume stays bit-identical).
             skip = keep == 0
-            grads = [torch.where(skip, 0.0, gr) for gr in grads]
+            outs = [inputs[i] for i in idx]
+            torch._foreach_copy_(outs, grads)
+            for out in outs:
+                out.masked_fill_(skip, 0.0)
             torch._foreach_mul_(bufs, torch.where(skip, 1.0, g["momentum"]))
-            torch._foreach_add_(bufs, grads)
-            for i, gr, buf in zip(idx, grads, bufs):
-                inputs[i].copy_(gr + g["momentum"] * buf if g["nesterov"] else buf)
+            torch._foreach_add_(bufs, outs)
+            if g["nesterov"]:
+                torch._foreach_add_(outs, bufs, alpha=g["momentum"])
+            else:
+                torch._foreach_copy_(outs, bufs)
         updates: list[Optional[Tensor]] = [None] * len(entries)
         # Expert stacks: whole experts on every rank, orthogonalised where they are.
         stacks = [i for i, (_, p, _, _) in enumerate(entries) if p.dim() == 3]

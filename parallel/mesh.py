@@ -96,18 +96,9 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
                   tp=sizes["parallel.tp"])
 
 
-def require_supported(layout: Layout) -> None:
-    """Raise ValueError, naming the key, for a layout this version cannot train yet."""
-    if layout.dp_shard > 1:
-        raise ValueError(f"parallel.dp_shard={layout.dp_shard}: sharding the parameters (FSDP2) is not "
-                         "supported yet; train data parallel with ZeRO-1 (parallel.dp_replicate, the default)")
-
-
 def check_layout(world_size: int, layout_keys: dict[str, int]) -> Layout:
     """The layout parallel.* asks for on `world_size` ranks, or ValueError in one line."""
-    layout = resolve_layout(world_size, **layout_keys)
-    require_supported(layout)
-    return layout
+    return resolve_layout(world_size, **layout_keys)
 
 
 @dataclass(frozen=True)

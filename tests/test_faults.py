@@ -165,11 +165,12 @@ def launch_torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identically(tmp_path):
-    straight = launch_torchrun(tmp_path / "straight")
+@pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=2"]], ids=["zero1", "fsdp2"])
+def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identically(tmp_path, layout):
+    straight = launch_torchrun(tmp_path / "straight", *layout)
     assert straight.wait(timeout=600) == 0, straight.stderr.read()[-3000:]
     run_dir = tmp_path / "killed"
-    proc = launch_torchrun(run_dir)
+    proc = launch_torchrun(run_dir, *layout)
     wait_for_step(run_dir, proc, 8)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from optim.muon import Muon
-from optim.sharded_muon import ShardedMuon, exchange_bytes, row_range
+from optim.sharded_muon import ShardedMuon, exchange_bytes
+from parallel.fsdp import row_range
 from tests.distributed import run_distributed
 
 # 2-D matrices with rows that 2 and 3 ranks split unevenly (7, 5, 2 rows: one rank gets none

@@ -4,6 +4,7 @@ restore into any (DP, TP) layout.
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Optional
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel.fsdp import is_sharded, local_rows
 from parallel.comm import all_gather_object, all_reduce, group_rank, group_size, world
 from parallel.tp_ops import gather_from_tp
 from trainer.checkpoint_files import FORMAT_VERSION, CheckpointError
@@ -95,7 +97,7 @@ def state_is_finite(trainer) -> bool:
 
     Checked before each save: a checkpoint of NaN weights is one that resume=auto would
     continue from, and that rotation would keep in place of the good ones."""
-    tensors = [*trainer.model.parameters(), *trainer.optimizer.state_tensors()]
+    tensors = [*(local_rows(p.detach())[0] for p in trainer.model.parameters()), *trainer.optimizer.state_tensors()]
     # (AdamW's step counts may live on the CPU while the weights are on the GPU.)
     finite = torch.stack([torch.isfinite(t).all().to(trainer.device)
                           for t in tensors if t.is_floating_point()]).all()
@@ -147,8 +149,11 @@ def model_chunks(trainer) -> dict[str, Chunks]:
     out: dict[str, Chunks] = {}
     for name, p in params.items():
         placement = placements[name]
+        # Under FSDP2 this rank holds rows of the TP-local tensor: a contiguous range of it.
+        local, row = local_rows(p.detach())
+        start = row * math.prod(p.shape[1:])
         out[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape), tp),
-                                      pieces_of(p.detach(), tuple(p.shape), 0, placement))
+                                      pieces_of(local, tuple(p.shape), start, placement))
     for name, buf in model.state_dict().items():
         if name not in params:  # persistent buffers (MoE expert biases), the same on every rank
             out[f"buffer/{name}"] = Chunks(tuple(buf.shape), [((0,) * buf.ndim, buf.detach())])
@@ -228,7 +233,7 @@ def _restore_sharded(trainer, state: dict[str, Any], expected: dict[str, tuple[i
     placements = _placements(trainer)
     with torch.no_grad():
         for p in params.values():
-            p.zero_()  # the vocabulary padding rows, which the checkpoint does not hold
+            local_rows(p)[0].zero_()  # the vocabulary padding rows, which the checkpoint does not hold
     targets = model_chunks(trainer)
     # Fresh optimizer state for what this rank owns now, filled by the load.
     installs = []
@@ -258,6 +263,10 @@ def _restore_file(trainer, state: dict[str, Any], expected: dict[str, tuple[int,
     """A single-file checkpoint: full logical tensors, cut to this rank's layout."""
     model, mesh = trainer.model, trainer.mesh
     params = dict(model.named_parameters())
+    if any(is_sharded(p) for p in params.values()):
+        raise CheckpointError(f"{state.get('path', 'checkpoint')}: a single-file checkpoint (the format before "
+                              "sharded ones) does not resume with parallel.dp_shard > 1: resume it at "
+                              "parallel.dp_shard=1 once, and the checkpoints it saves resume at any layout")
     _check_fits(trainer, expected, {n: tuple(t.shape) for n, t in state["params"].items()}, set(state["buffers"]))
     with torch.no_grad():
         for n, p in params.items():

@@ -23,6 +23,8 @@ from optim.config import OptimConfig
 from optim.muon import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
 from optim.routing import ALL_KINDS
+from optim.sharded import unsupported_with_sharding
+from parallel.mesh import Layout
 
 
 class ConfigError(ValueError):
@@ -109,10 +111,15 @@ class LoggerConfig:
 class ParallelConfig:
     # The device mesh (parallel/mesh.py), outermost first: dp_replicate x dp_shard x tp ranks.
     # -1: the rest of the world (at most one key). The default is data parallel with ZeRO-1
-    # over every rank that TP leaves (dp_shard > 1, FSDP2, is refused until it exists).
+    # over every rank that TP leaves; dp_shard > 1 shards the parameters too (FSDP2), and
+    # dp_replicate x dp_shard with both > 1 is HSDP.
     dp_replicate: int = -1
     dp_shard: int = 1
     tp: int = 1
+    # FSDP2 (dp_shard > 1): free each block's gathered parameters after its forward and gather
+    # them again for its backward (less memory), or keep them to the backward (one all-gather
+    # a block fewer per micro-batch).
+    reshard_after_forward: bool = True
     # Process-group backend: "auto" (nccl on CUDA, gloo on CPU), "nccl" or "gloo".
     backend: str = "auto"
     # Seconds a collective waits for its peers before the job fails, so a dead rank ends the
@@ -204,6 +211,21 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def check_sharded_options(cfg: TrainConfig, layout: Layout) -> None:
+    """Raise ConfigError naming the first option that does not run with FSDP2 yet, when the
+    layout shards the parameters (parallel.dp_shard > 1)."""
+    if layout.dp_shard == 1:
+        return
+    problem = unsupported_with_sharding(cfg.optim)
+    if problem is None and cfg.optim.qk_clip.enabled:
+        problem = "optim.qk_clip.enabled=true"
+    if problem is None and cfg.model.n_experts and layout.tp > 1:
+        problem = f"a moe model (model.n_experts={cfg.model.n_experts}) with parallel.tp={layout.tp}"
+    if problem is not None:
+        raise ConfigError(f"{problem} does not run with sharded parameters yet "
+                          f"(parallel.dp_shard={layout.dp_shard}); use parallel.dp_shard=1 (ZeRO-1) for it")
 
 
 def validate(cfg: TrainConfig) -> None:

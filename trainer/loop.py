@@ -31,7 +31,8 @@ from optim.schedule import lr_at
 from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer import device as dev
 from trainer import run_env
-from trainer.config import TrainConfig, layout_keys
+from trainer.config import TrainConfig, check_sharded_options, layout_keys
+from parallel.fsdp import apply_fsdp, fsdp_mesh, reshard, sync_gradients
 from parallel.mesh import Mesh, init_mesh, new_host_group
 from trainer.precision import resolve_run_precisions
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
@@ -55,8 +56,14 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.dev
     exactly the weights of a TP=1 run with the same seed.
     """
     torch.manual_seed(cfg.seed)
-    model = GPT(replace(cfg.model, vocab_size=vocab_size))
-    return parallelize_tp(model, mesh.tp_group).to(device)
+    model = parallelize_tp(GPT(replace(cfg.model, vocab_size=vocab_size)), mesh.tp_group).to(device)
+    if mesh.layout.dp_shard > 1:
+        # FSDP2 over what TP left on this rank: bf16 compute from fp32 master weights under
+        # trainer.precision=bf16, fp32 gradient reduction either way.
+        param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else None
+        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), param_dtype,
+                   cfg.parallel.reshard_after_forward)
+    return model
 
 
 def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
@@ -99,6 +106,7 @@ class Trainer:
         self.mesh = mesh if mesh is not None else init_mesh(
             layout_keys(cfg.parallel), self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
+        check_sharded_options(cfg, self.mesh.layout)
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh)
         # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
@@ -114,6 +122,7 @@ class Trainer:
         self.data = prepare_data_once(cfg, self.mesh)
         self.model = build_model(cfg, self.data.vocab_size, self.mesh, self.device)
         self.model_cfg = self.model.cfg
+        self.sharded = self.mesh.layout.dp_shard > 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # optim.muon.ns_method=auto: Gram or standard Newton-Schulz per matrix shape, timed once
         # here (or kept from the checkpoint), then recorded in the config the optimizer is built from.
@@ -124,11 +133,19 @@ class Trainer:
         self.cfg = cfg = replace(cfg, optim=optim_cfg)
         if ns_line is not None and self.mesh.is_main:
             log.info(ns_line)
-        self.forward = dev.maybe_compile(self.model, t.compile)
+        if self.sharded and t.compile:
+            # Under FSDP2, block by block: each block's gathers and reduce-scatters stay FSDP2's
+            # hooks around a compiled body, so communication still overlaps compute.
+            for block in self.model.blocks:
+                block.compile()
+            self.forward = self.model
+        else:
+            self.forward = dev.maybe_compile(self.model, t.compile)
         # Compiling Muon's elementwise work pays where memory passes are the cost: on GPUs.
         self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh,
                                          compile_updates=t.compile and self.device.type == "cuda")
-        self.health = HealthStats(self.model, self.mesh.tp_group)
+        self.health = HealthStats(self.model, self.mesh.tp_group,
+                                  self.mesh.device_mesh.get_group("dp_shard") if self.sharded else None)
         clip = cfg.optim.qk_clip
         self.qk_clip = QKClip(self.model, clip.tau, self.mesh.dp_group, self.mesh.tp_group) if clip.enabled else None
 
@@ -163,6 +180,7 @@ class Trainer:
             self.environment = run_env.environment(
                 self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
                 dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
+                dp_shard=self.mesh.layout.dp_shard,
             )
             self._write_resolved_config()
             run_env.save_tokenizer(run_dir, self.data.tokenizer)
@@ -219,12 +237,18 @@ class Trainer:
         """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
         t, e = self.cfg.trainer, self.cfg.eval
         sets = {}
+        self.eval_counted: dict[str, int] = {}
         for name, tokens in self.data.eval_sets.items():
             batches = eval_batches(tokens, t.seq_len, e.batch_size, e.batches)
             if name == "val":
                 # Max attention logits are read on one fixed batch, the same on every rank.
                 self.max_logit_batch = batches[0][0].to(self.device)
             mine = batches[self.mesh.dp_rank :: self.mesh.dp]
+            self.eval_counted[name] = len(mine)
+            if self.sharded:
+                # Every forward is a collective under FSDP2: ranks with fewer batches repeat
+                # one, uncounted, so that all run as many forwards.
+                mine += [batches[0]] * (-(-len(batches) // self.mesh.dp) - len(mine))
             sets[name] = [(x.to(self.device), y.to(self.device)) for x, y in mine]
         return sets
 
@@ -242,6 +266,8 @@ class Trainer:
             for micro in range(t.grad_accum):
                 x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
                 x, y = dev.to_device(x, self.device), dev.to_device(y, self.device)
+                if self.sharded:  # FSDP2 reduce-scatters once, in the last micro-batch's backward
+                    sync_gradients(self.model, micro == t.grad_accum - 1)
                 with self.autocast():
                     loss = self.forward(x, y)
                 # Every micro-batch holds the same number of tokens, so the mean of the
@@ -404,10 +430,14 @@ class Trainer:
             raise NonFiniteLoss(f"diverged: {named} at step {step}. {self.last_good_line()}")
 
     def evaluate(self) -> dict[str, float]:
-        metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group)
+        metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group, self.eval_counted)
         metrics.update(
             attention_max_logits(self.model, self.max_logit_batch, self.autocast, self.mesh.tp_group)
         )
+        if self.sharded:
+            # Forwards without a backward leave FSDP2's root gathered (it keeps its parameters
+            # to the backward): shard it again before anything reads or saves parameters.
+            reshard(self.model)
         return metrics
 
     def train(self) -> dict[str, float]:

@@ -1,0 +1,145 @@
+"""Muon + AdamW on FSDP2's shards (parallel.dp_shard > 1): every rank steps its own rows.
+
+FSDP2 leaves each parameter a DTensor whose local tensor is this rank's rows, and its
+gradient, reduce-scattered and averaged over the data-parallel ranks, the same rows. The
+optimizers step those local tensors in place (they share the DTensors' storage): ShardedMuon
+(optim/sharded_muon.py: whole matrices orthogonalised at their owners) for the hidden
+matrices, torch's fused AdamW for the rest. Their state is sharded like the parameters, so
+nothing here gathers a whole parameter.
+
+Under HSDP (dp_replicate > 1) every replica group holds the same shards and gradients (FSDP2
+all-reduces them across replicas), and steps them the same way.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from optim.adamw import build_adamw
+from optim.config import OptimConfig
+from optim.grad_ops import sum_of_squares
+from optim.optimizer_set import OptimizerSet, OwnedPiece
+from optim.routing import muon_split_rows, route_parameters
+from optim.sharded_muon import ShardedMuon
+from parallel.comm import all_reduce
+from parallel.fsdp import local_rows
+from parallel.mesh import Mesh
+
+
+def unsupported_with_sharding(cfg: OptimConfig) -> str | None:
+    """The first Muon option that FSDP2's sharded step does not run yet, as `key=value`."""
+    m = cfg.muon
+    if cfg.name != "muon":
+        return None
+    for key, value, plain in (("optim.muon.normuon", m.normuon, False), ("optim.muon.tp_mode", m.tp_mode, "gather"),
+                              ("optim.muon.split_heads", m.split_heads, False),
+                              ("optim.muon.cuda_graphs", m.cuda_graphs, False)):
+        if value != plain:
+            return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+    return None
+
+
+class ShardedOptimizer(OptimizerSet):
+    """ShardedMuon + fused AdamW (optim=muon) or fused AdamW alone, on FSDP2's local shards."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
+        problem = unsupported_with_sharding(cfg)
+        if problem is not None:
+            raise ValueError(f"{problem} does not run on sharded parameters (parallel.dp_shard > 1) yet")
+        self.mesh = mesh
+        self.shard_group = mesh.device_mesh.get_group("dp_shard")
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.model_params = [p for _, p in named]
+        # The local tensors, made once: the optimizers key their state by them, and they stay
+        # views of the DTensors' storage (FSDP2 keeps its sharded storage in place).
+        self.local: dict[str, torch.Tensor] = {}
+        self.row_start: dict[str, int] = {}
+        for name, p in named:
+            with torch.no_grad():
+                local, start = local_rows(p)
+            self.local[name] = local.detach()
+            self.row_start[name] = start
+            for attribute in ("tp_split_dim",):
+                setattr(self.local[name], attribute, getattr(p, attribute, None))
+        params = dict(named)
+        by_target: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for route in route_parameters(model, cfg.name):
+            if route.name in self.local:
+                by_target[route.optimizer][route.kind].append(route.name)
+        optimizers: dict[str, torch.optim.Optimizer] = {}
+        if by_target["muon"]:
+            groups = []
+            for kind, names in by_target["muon"].items():
+                assert muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim) is None
+                groups.append({
+                    "params": [self.local[n] for n in names], "kind": kind,
+                    "full_shapes": [params[n].shape for n in names],
+                    "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
+                    "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),
+                })
+            m = cfg.muon
+            optimizers["muon"] = ShardedMuon(
+                groups, None, self.shard_group, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
+                ns_steps=m.ns_steps, coefficients=m.coefficients, ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr,
+                eps=m.eps, ns_method=m.ns_method, ns_by_shape=m.ns_by_shape, cautious_wd=cfg.cautious_wd,
+                tp_group=mesh.tp_group,
+            )
+        if by_target["adamw"]:
+            optimizers["adamw"] = build_adamw(
+                [{"params": [self.local[n] for n in names], "kind": kind,
+                  "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay)}
+                 for kind, names in by_target["adamw"].items()], cfg)
+        super().__init__(optimizers)
+        self.names = {id(t): n for n, t in self.local.items()}
+
+    @staticmethod
+    def _matrix_tp_split(p: torch.Tensor) -> int | None:
+        """The TP split of a 2-D matrix (an expert stack's experts are never TP-gathered here:
+        TP splits each expert's hidden units, and Newton-Schulz runs per TP-local expert only
+        when tp = 1)."""
+        split = getattr(p, "tp_split_dim", None)
+        if split is not None and p.dim() != 2:
+            raise ValueError("expert stacks split over TP do not run on sharded parameters yet: "
+                             "use parallel.tp=1 with parallel.dp_shard > 1 for a moe model")
+        return split
+
+    def prepare_grads(self, max_norm: float) -> torch.Tensor:
+        """FSDP2 has averaged the gradients; point the local tensors at their rows, and clip
+        by the global norm (the shards' squares summed over dp_shard, and over TP for the
+        TP-split ones). Returns the norm."""
+        tp_split, replicated = [], []
+        for (name, local), p in zip(self.local.items(), self.model_params):
+            if p.grad is None:
+                local.grad = None
+                continue
+            local.grad = local_rows(p.grad)[0]
+            (tp_split if getattr(p, "tp_split_dim", None) is not None else replicated).append(local.grad)
+        device = next(iter(self.local.values())).device
+        square = all_reduce(sum_of_squares(tp_split, device), self.mesh.tp_group) + sum_of_squares(replicated, device)
+        norm = all_reduce(square, self.shard_group).sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(tp_split + replicated, scale)
+        return norm
+
+    def zero_grad(self) -> None:
+        for p in self.model_params:
+            p.grad = None
+        for local in self.local.values():
+            local.grad = None
+
+    def owned_pieces(self, model: torch.nn.Module) -> list[OwnedPiece]:
+        """Every local shard: elements from its first row on of the (TP-local) parameter."""
+        pieces = []
+        for name, local in self.local.items():
+            key = self._optimizer_of(local)
+            if key is not None:
+                row = local[0].numel() if local.dim() and local.shape[0] else 0
+                pieces.append(OwnedPiece(name, local, self.row_start[name] * row, key))
+        return pieces
+
+    def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+        raise NotImplementedError("the state of sharded parameters is saved shard by shard (sharded checkpoints)")
