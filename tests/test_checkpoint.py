@@ -245,12 +245,16 @@ def test_reshard_continues_like_the_unresharded_run(tmp_path, saved, loaded, mod
     assert checkpoint_files.open_checkpoint(resumed / "checkpoints" / "step_00000004")["mesh"] == dict(
         dp=saved[0], tp=saved[1])
     run_layout(resumed, *loaded, mode="train", global_batch=batch, model=model, options=options)
+    assert_continues_like(straight, resumed, 0.0 if saved == loaded else 1e-5)
+
+
+def assert_continues_like(straight: Path, resumed: Path, tol: float) -> None:
+    """Steps 5-8 of the resumed run, and its final parameters, within `tol` (relative) of
+    the run that was never interrupted."""
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
-    tol = 0.0 if saved == loaded else 1e-5
     for step in b:
         assert abs(a[step] - b[step]) <= tol * a[step], (step, a[step], b[step])
-    # and the final parameters agree
     pa = checkpoint_files.load(straight / "checkpoints" / "step_00000008")["params"]
     pb = checkpoint_files.load(resumed / "checkpoints" / "step_00000008")["params"]
     for name in pa:
