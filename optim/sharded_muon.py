@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from optim.muon import validate_group, parse_ns_dtype
+from optim import normuon
+from optim.muon import parse_ns_dtype, validate_group
 from optim.newton_schulz import NSShape, iteration_for, momentum_update, muon_scale, newton_schulz
 from optim.zero_plan import ParamSpec, build_plan
 from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size
@@ -112,6 +113,8 @@ class ShardedMuon(torch.optim.Optimizer):
         ns_by_shape: Optional[dict[str, str]] = None,
         cautious_wd: bool = False,
         tp_group: Group = None,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
     ) -> None:
         params = list(params)
         if params and not isinstance(params[0], dict):
@@ -123,8 +126,8 @@ class ShardedMuon(torch.optim.Optimizer):
         self.tp_group = tp_group
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         coefficients=coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
-                        split_rows=None, tp_group=None, tp_mode="gather", ns_method=ns_method, normuon=False,
-                        normuon_beta2=0.95, ns_by_shape=ns_by_shape)
+                        split_rows=None, tp_group=None, tp_mode="gather", ns_method=ns_method, normuon=normuon,
+                        normuon_beta2=normuon_beta2, ns_by_shape=ns_by_shape)
         validate_group({**defaults, "params": []})  # the defaults themselves, as Muon checks them
         super().__init__(params, defaults)
         self.cautious_wd = cautious_wd
@@ -144,6 +147,8 @@ class ShardedMuon(torch.optim.Optimizer):
                                  f"[{start}, {stop}) of {tuple(full)} split {n} ways")
             if splits[i] is not None and (p.dim() != 2 or splits[i] not in (0, 1)):
                 raise ValueError(f"ShardedMuon: parameter {i}: a TP split dim must be 0 or 1 of a 2-D matrix")
+        if param_group.get("normuon", self.defaults["normuon"]) and any(t is not None for t in splits):
+            raise ValueError("ShardedMuon: NorMuon on matrices split over TP as well as sharded is not supported")
         param_group["full_shapes"], param_group["tp_split_dims"] = shapes, splits
         super().add_param_group(param_group)
         validate_group(self.param_groups[-1])  # canonical ns_dtype ("auto" resolved on the shards' device)
@@ -203,7 +208,54 @@ class ShardedMuon(torch.optim.Optimizer):
         ortho_local = {i: self._tp_shard(o, entries[i][3]) for i, o in zip(owned, ortho)}
         for i, rows in self._scatter_from_owners(ortho_local, inputs).items():
             updates[i] = rows
+        self._normuon(entries, updates, keep)
         self._apply(entries, updates, keep)
+
+    def _normuon(self, entries, updates: list[Optional[Tensor]], keep: Optional[Tensor]) -> None:
+        """NorMuon (optim/normuon.py) on each update as this rank holds it: a 2-D matrix's rows
+        (sharded over the group: its sums or norms are completed there), an expert stack's
+        whole experts. v is kept for the local rows, or whole where it runs along the columns."""
+        sharded = group_size(self.group) > 1
+        for i, (g, p, full, _) in enumerate(entries):
+            if not g["normuon"]:
+                continue
+            u = updates[i]
+            stack = u if u.dim() == 3 else u.unsqueeze(0)
+            v = self.state[p].get("normuon_v")
+            if v is None:
+                v = self.state[p]["normuon_v"] = torch.zeros(self._normuon_shape(p, full), device=p.device)
+            rows, cols = full[-2], full[-1]
+            matrix = u.dim() == 2
+            normuon.normalise(stack, v, g["normuon_beta2"], rows, cols, 0 if matrix and sharded else None,
+                              self.group if matrix else None, keep)
+
+    @staticmethod
+    def _normuon_shape(p: Tensor, full: torch.Size) -> tuple[int, int, int]:
+        """v's shape: for this rank's rows of a matrix, or its whole experts."""
+        if p.dim() == 3:
+            return normuon.state_shape(p.shape[0], p.shape[1], p.shape[2], p.shape[1], p.shape[2])
+        return normuon.state_shape(1, p.shape[0], p.shape[1], full[0], full[1])
+
+    def export_state(self, p: Tensor, state: dict[str, Any]) -> dict[str, Tensor]:
+        """`p`'s state as checkpoints hold it: every non-scalar tensor in p's (local) shape,
+        NorMuon's v broadcast over the dimension it was reduced along, as Muon saves it."""
+        out = {key: value for key, value in state.items() if torch.is_tensor(value)}
+        if "normuon_v" in out:
+            k = p.shape[0] if p.dim() == 3 else 1
+            out["normuon_v"] = out["normuon_v"].expand(k, *p.shape[-2:]).reshape(p.shape)
+        return out
+
+    def import_state(self, p: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse of export_state (state already on p's device)."""
+        if "normuon_v" in state:
+            full = next(s for g in self.param_groups for q, s in zip(g["params"], g["full_shapes"]) if q is p)
+            shape = self._normuon_shape(p, full)
+            k = p.shape[0] if p.dim() == 3 else 1
+            v = state["normuon_v"].reshape(k, *p.shape[-2:])[:, : shape[1], : shape[2]].float().contiguous()
+            # A rank with no rows of a matrix whose v runs along the columns cannot read v off its
+            # (empty) rows; it never uses it either: its v only rescales its own, empty, rows.
+            state["normuon_v"] = v if v.shape == torch.Size(shape) else torch.zeros(shape, device=p.device)
+        return state
 
     def _tp_gather(self, local: Tensor, split: Optional[int]) -> Tensor:
         """The whole matrix from every TP rank's (TP-local) one, along the TP split."""

@@ -12,18 +12,19 @@ from tests.test_parallel_training import _train_worker, assert_tracks, losses, r
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
 MOE = ["model=moe_tiny", "trainer.seq_len=32"]
-FAMILY = ["optim.cautious_wd=true", "optim.muon.ns_method=gram"]
+FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_method=gram"]
 
 
 @pytest.mark.parametrize("world, layout, options, per_rank, accum", [
     (2, ["parallel.dp_shard=2"], MUON, 2, 1),
     (2, ["parallel.dp_shard=2"], ["optim=adamw"], 2, 1),
     (3, ["parallel.dp_shard=3"], MUON + FAMILY, 1, 1),  # uneven shards
-    (4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON, 4, 1),  # 2-D (dp_shard, tp)
-    (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], MUON, 1, 1),  # HSDP
+    # Four processes on two cores: with the slow tests.
+    pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON, 4, 1, marks=pytest.mark.slow),  # 2-D
+    pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], MUON, 1, 1, marks=pytest.mark.slow),  # HSDP
     (2, ["parallel.dp_shard=2"], MUON + MOE, 2, 1),
     (2, ["parallel.dp_shard=2"], MUON, 1, 2),  # gradient accumulation
-], ids=["muon", "adamw", "dp_shard3_cautious_gram", "dp_shard2_tp2", "hsdp2x2", "moe", "accum2"])
+], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "hsdp2x2", "moe", "accum2"])
 def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum):
     dp = world // (2 if "parallel.tp=2" in layout else 1)
     single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}"])
@@ -39,17 +40,20 @@ def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout,
 
 # (dp, tp, dp_shard): checkpoints written at one layout continue at another, through DCP's
 # chunks: ZeRO-1 -> FSDP2 -> TP, and an FSDP2 resume that is exact.
-@pytest.mark.parametrize("saved, loaded", [
-    ((2, 1, 2), (2, 1, 2)),
-    ((2, 1, 1), (2, 1, 2)),
-    ((2, 1, 2), (1, 2, 1)),
-], ids=["fsdp-resume", "zero1-to-fsdp", "fsdp-to-tp2"])
-def test_sharded_checkpoints_resume_at_any_layout(tmp_path, saved, loaded):
+@pytest.mark.parametrize("saved, loaded, options", [
+    ((2, 1, 2), (2, 1, 2), ()),
+    # NorMuon's v, saved in its weights' shape, read back by rows
+    pytest.param((2, 1, 2), (2, 1, 2), ("optim.muon.normuon=true",), marks=pytest.mark.slow),
+    pytest.param((2, 1, 1), (2, 1, 2), ("optim.muon.normuon=true",), marks=pytest.mark.slow),
+    pytest.param((2, 1, 1), (2, 1, 2), (), marks=pytest.mark.slow),
+    pytest.param((2, 1, 2), (1, 2, 1), (), marks=pytest.mark.slow),
+], ids=["fsdp-resume", "fsdp-resume-normuon", "zero1-to-fsdp-normuon", "zero1-to-fsdp", "fsdp-to-tp2"])
+def test_sharded_checkpoints_resume_at_any_layout(tmp_path, saved, loaded, options):
     from tests.test_checkpoint import assert_continues_like, run_layout
 
     def run(run_dir, layout, mode):
         dp, tp, shard = layout
-        run_layout(run_dir, dp, tp, mode, options=(f"parallel.dp_shard={shard}",))
+        run_layout(run_dir, dp, tp, mode, options=(f"parallel.dp_shard={shard}", *options))
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, saved, "train")

@@ -47,12 +47,26 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
     assert str(err.value) == line
 
 
-def test_sharded_parameters_are_refused_until_fsdp2_exists():
-    assert resolve_layout(4, dp_shard=2) == Layout(2, 2, 1)  # the arithmetic (the planner's) accepts it
-    with pytest.raises(ValueError, match=r"^parallel.dp_shard=2: sharding the parameters \(FSDP2\) is not "
-                                         r"supported yet"):
-        check_layout(4, {"tp": 1, "dp_replicate": -1, "dp_shard": 2})
-    assert check_layout(4, {"tp": 2, "dp_replicate": -1, "dp_shard": 1}) == Layout(2, 1, 2)
+@pytest.mark.parametrize("options, named", [
+    (["optim=muon", "optim.muon.normuon=true"], "optim.muon.normuon=true with parallel.tp=2"),
+    (["optim=muon", "optim.muon.tp_mode=gram"], "optim.muon.tp_mode=gram"),
+    (["optim=muon", "optim.muon.split_heads=true"], "optim.muon.split_heads=true"),
+    (["optim=muon", "optim.muon.cuda_graphs=true"], "optim.muon.cuda_graphs=true"),
+    (["optim=muon", "optim.qk_clip.enabled=true"], "optim.qk_clip.enabled=true"),
+    (["model=moe_tiny"], "a moe model (model.n_experts=4) with parallel.tp=2"),
+])
+def test_options_that_do_not_run_on_sharded_parameters_are_refused_in_one_line(options, named):
+    from tests.conftest import compose
+    from trainer.config import ConfigError, check_sharded_options, to_dataclass
+
+    cfg = to_dataclass(compose(options))
+    check_sharded_options(cfg, Layout(4, 1, 2))  # ZeRO-1: all of them run
+    sharded = Layout(1, 2, 2)
+    assert check_layout(4, {"tp": 2, "dp_replicate": 1, "dp_shard": 2}) == sharded
+    with pytest.raises(ConfigError) as err:
+        check_sharded_options(cfg, sharded)
+    assert str(err.value) == (f"{named} does not run with sharded parameters yet (parallel.dp_shard=2); "
+                              "use parallel.dp_shard=1 (ZeRO-1) for it")
 
 
 @pytest.mark.parametrize("args, line", [

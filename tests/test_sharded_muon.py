@@ -68,8 +68,8 @@ def _sharded_worker(rank: int, world_size: int, variant: dict) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("variant", [{}, {"cautious_wd": True, "ns_method": "gram", "nesterov": False},
-                                     {"ns_dtype": "bf16"}],
-                         ids=["muon", "cautious_gram_heavyball", "bf16"])
+                                     {"ns_dtype": "bf16"}, {"normuon": True}],
+                         ids=["muon", "cautious_gram_heavyball", "bf16", "normuon"])
 def test_sharded_muon_equals_muon_on_whole_matrices(world_size, variant):
     expected = single_process(variant)
     results = run_distributed(_sharded_worker, world_size, variant)
