@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import Group, all_reduce
+from parallel.fsdp import local_rows
 
 
 class QKClip:
@@ -71,10 +72,14 @@ class QKClip:
         gamma = self.factors(head_max, found_inf)
         for attn, layer_gamma in zip(self.attentions, gamma):
             scale_q, scale_k = split_factors(layer_gamma, attn.n_heads // attn.n_kv_heads)
-            wq, wk = attn.wq.weight, attn.wk.weight
-            wq.view(scale_q.numel(), -1).mul_(scale_q.to(wq.dtype)[:, None])
-            if scale_k is not None:
-                wk.view(scale_k.numel(), -1).mul_(scale_k.to(wk.dtype)[:, None])
+            for weight, scale in ((attn.wq.weight, scale_q), (attn.wk.weight, scale_k)):
+                if scale is None:
+                    continue
+                # A head's rows, of the rows this rank holds: all of the TP-local matrix, or
+                # under FSDP2 its own rows of it.
+                rows, start = local_rows(weight)
+                per_row = scale.to(weight.dtype).repeat_interleave(weight.shape[0] // scale.numel())
+                rows.mul_(per_row[start : start + rows.shape[0], None])
         clipped = (gamma < 1).sum()
         finite = torch.where(torch.isfinite(head_max), head_max, torch.full_like(head_max, float("-inf")))
         self.last = torch.stack([clipped.float(), finite.amax(), (finite * gamma).amax()])

@@ -34,8 +34,7 @@ def unsupported_with_sharding(cfg: OptimConfig) -> str | None:
     m = cfg.muon
     if cfg.name != "muon":
         return None
-    for key, value, plain in (("optim.muon.tp_mode", m.tp_mode, "gather"),
-                              ("optim.muon.split_heads", m.split_heads, False),
+    for key, value, plain in (("optim.muon.split_heads", m.split_heads, False),
                               ("optim.muon.cuda_graphs", m.cuda_graphs, False)):
         if value != plain:
             return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
@@ -85,7 +84,7 @@ class ShardedOptimizer(OptimizerSet):
                 groups, None, self.shard_group, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
                 ns_steps=m.ns_steps, coefficients=m.coefficients, ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr,
                 eps=m.eps, ns_method=m.ns_method, ns_by_shape=m.ns_by_shape, cautious_wd=cfg.cautious_wd,
-                tp_group=mesh.tp_group, normuon=m.normuon, normuon_beta2=m.normuon_beta2,
+                tp_group=mesh.tp_group, normuon=m.normuon, normuon_beta2=m.normuon_beta2, tp_mode=m.tp_mode,
             )
         if by_target["adamw"]:
             optimizers["adamw"] = build_adamw(

@@ -38,6 +38,7 @@ from torch import Tensor
 from optim import normuon
 from optim.muon import parse_ns_dtype, validate_group
 from optim.newton_schulz import NSShape, iteration_for, momentum_update, muon_scale, newton_schulz
+from optim.newton_schulz_tp import newton_schulz_sharded
 from optim.zero_plan import ParamSpec, build_plan
 from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size
 from parallel.fsdp import row_range
@@ -115,6 +116,7 @@ class ShardedMuon(torch.optim.Optimizer):
         tp_group: Group = None,
         normuon: bool = False,
         normuon_beta2: float = 0.95,
+        tp_mode: str = "gather",
     ) -> None:
         params = list(params)
         if params and not isinstance(params[0], dict):
@@ -126,7 +128,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self.tp_group = tp_group
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         coefficients=coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
-                        split_rows=None, tp_group=None, tp_mode="gather", ns_method=ns_method, normuon=normuon,
+                        split_rows=None, tp_group=None, tp_mode=tp_mode, ns_method=ns_method, normuon=normuon,
                         normuon_beta2=normuon_beta2, ns_by_shape=ns_by_shape)
         validate_group({**defaults, "params": []})  # the defaults themselves, as Muon checks them
         super().__init__(params, defaults)
@@ -202,10 +204,15 @@ class ShardedMuon(torch.optim.Optimizer):
         for i, u in zip(stacks, self._orthogonalise([inputs[i] for i in stacks], [entries[i][0] for i in stacks])):
             updates[i] = u
         fulls = self._gather_to_owners(inputs)
-        owned = list(fulls)
+        tp = group_size(self.tp_group)
+        # tp_mode=gram: Newton-Schulz on the TP shards, all-reducing Gram matrices over TP;
+        # otherwise the owner gathers the whole matrix over TP and keeps its shard of the result.
+        on_shards = [i for i in fulls if tp > 1 and entries[i][3] is not None and entries[i][0]["tp_mode"] == "gram"]
+        owned = [i for i in fulls if i not in on_shards]
         tp_full = [self._tp_gather(fulls[i], entries[i][3]) for i in owned]
         ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned])
         ortho_local = {i: self._tp_shard(o, entries[i][3]) for i, o in zip(owned, ortho)}
+        ortho_local.update(self._orthogonalise_tp_shards({i: fulls[i] for i in on_shards}, entries))
         for i, rows in self._scatter_from_owners(ortho_local, inputs).items():
             updates[i] = rows
         self._normuon(entries, updates, keep)
@@ -256,6 +263,22 @@ class ShardedMuon(torch.optim.Optimizer):
             # (empty) rows; it never uses it either: its v only rescales its own, empty, rows.
             state["normuon_v"] = v if v.shape == torch.Size(shape) else torch.zeros(shape, device=p.device)
         return state
+
+    def _orthogonalise_tp_shards(self, shards: dict[int, Tensor], entries) -> dict[int, Tensor]:
+        """tp_mode=gram: this TP rank's shard of each matrix's Newton-Schulz, computed on the
+        shards (optim/newton_schulz_tp.py), one call per shape, split and setting."""
+        batches: dict[tuple, list[int]] = {}
+        for i, t in shards.items():
+            g, split = entries[i][0], entries[i][3]
+            batches.setdefault((tuple(t.shape), split, id(g)), []).append(i)
+        out = {}
+        for ((rows, cols), split, _), idx in batches.items():
+            g = entries[idx[0]][0]
+            iteration = iteration_for(g["ns_method"], NSShape(rows, cols, split), g["ns_steps"], g["ns_by_shape"])
+            orth = newton_schulz_sharded(torch.stack([shards[i] for i in idx]), split, self.tp_group, g["ns_steps"],
+                                         g["coefficients"], parse_ns_dtype(g["ns_dtype"]), g["eps"], iteration=iteration)
+            out.update(zip(idx, orth.unbind(0)))
+        return out
 
     def _tp_gather(self, local: Tensor, split: Optional[int]) -> Tensor:
         """The whole matrix from every TP rank's (TP-local) one, along the TP split."""

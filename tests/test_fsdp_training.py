@@ -11,6 +11,7 @@ from tests.distributed import run_distributed
 from tests.test_parallel_training import _train_worker, assert_tracks, losses, read_metrics, train_in_process
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
+CLIP = MUON + ["optim.qk_clip.enabled=true", "optim.qk_clip.tau=1", "model.init_std=0.3"]
 MOE = ["model=moe_tiny", "trainer.seq_len=32"]
 FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_method=gram"]
 
@@ -21,10 +22,14 @@ FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_me
     (3, ["parallel.dp_shard=3"], MUON + FAMILY, 1, 1),  # uneven shards
     # Four processes on two cores: with the slow tests.
     pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON, 4, 1, marks=pytest.mark.slow),  # 2-D
+    pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON + ["optim.muon.tp_mode=gram"], 4, 1,
+                 marks=pytest.mark.slow),
     pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], MUON, 1, 1, marks=pytest.mark.slow),  # HSDP
     (2, ["parallel.dp_shard=2"], MUON + MOE, 2, 1),
     (2, ["parallel.dp_shard=2"], MUON, 1, 2),  # gradient accumulation
-], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "hsdp2x2", "moe", "accum2"])
+    (2, ["parallel.dp_shard=2"], CLIP, 2, 1),  # QK-clip scales each head's rows where they are
+], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "dp_shard2_tp2_gram", "hsdp2x2", "moe",
+     "accum2", "qk_clip"])
 def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum):
     dp = world // (2 if "parallel.tp=2" in layout else 1)
     single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}"])
@@ -32,8 +37,10 @@ def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout,
                     options + layout + [f"trainer.batch_size={per_rank}", f"trainer.grad_accum={accum}"])
     sharded = read_metrics(tmp_path / "par")
     assert_tracks(losses(sharded), losses(single), 1e-5)
-    health = [k for k in single[-1] if k.startswith(("optim/update_rms/", "model/weight_rms/"))]
+    health = [k for k in single[-1] if k.startswith(("optim/update_rms/", "model/weight_rms/", "optim/qk_clip/"))]
     assert health
+    if "optim.qk_clip.enabled=true" in options:
+        assert sum(r["optim/qk_clip/heads_clipped"] for r in single) > 0  # the clip did act
     for key in health:
         assert sharded[-1][key] == pytest.approx(single[-1][key], rel=1e-4), key
 

@@ -221,8 +221,6 @@ def check_sharded_options(cfg: TrainConfig, layout: Layout) -> None:
     problem = unsupported_with_sharding(cfg.optim)
     if problem is None and cfg.optim.name == "muon" and cfg.optim.muon.normuon and layout.tp > 1:
         problem = f"optim.muon.normuon=true with parallel.tp={layout.tp}"
-    if problem is None and cfg.optim.qk_clip.enabled:
-        problem = "optim.qk_clip.enabled=true"
     if problem is None and cfg.model.n_experts and layout.tp > 1:
         problem = f"a moe model (model.n_experts={cfg.model.n_experts}) with parallel.tp={layout.tp}"
     if problem is not None:
