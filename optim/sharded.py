@@ -30,14 +30,14 @@ from parallel.mesh import Mesh
 
 
 def unsupported_with_sharding(cfg: OptimConfig) -> str | None:
-    """The first Muon option that FSDP2's sharded step does not run yet, as `key=value`."""
+    """The first Muon setting that FSDP2's sharded step does not run (yet), as it is typed."""
     m = cfg.muon
     if cfg.name != "muon":
         return None
-    for key, value, plain in (("optim.muon.split_heads", m.split_heads, False),
-                              ("optim.muon.cuda_graphs", m.cuda_graphs, False)):
-        if value != plain:
-            return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+    if m.cuda_graphs:  # its graphs replay fixed stacks; the sharded step builds its own each time
+        return "optim.muon.cuda_graphs=true"
+    if m.split_heads and m.normuon:  # a head's rows may lie on two ranks
+        return "optim.muon.split_heads=true with optim.muon.normuon=true"
     return None
 
 
@@ -72,9 +72,9 @@ class ShardedOptimizer(OptimizerSet):
         if by_target["muon"]:
             groups = []
             for kind, names in by_target["muon"].items():
-                assert muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim) is None
                 groups.append({
                     "params": [self.local[n] for n in names], "kind": kind,
+                    "split_rows": muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim),
                     "full_shapes": [params[n].shape for n in names],
                     "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
                     "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),

@@ -151,6 +151,12 @@ class ShardedMuon(torch.optim.Optimizer):
                 raise ValueError(f"ShardedMuon: parameter {i}: a TP split dim must be 0 or 1 of a 2-D matrix")
         if param_group.get("normuon", self.defaults["normuon"]) and any(t is not None for t in splits):
             raise ValueError("ShardedMuon: NorMuon on matrices split over TP as well as sharded is not supported")
+        head = param_group.get("split_rows")
+        if head is not None:
+            if param_group.get("normuon", self.defaults["normuon"]):
+                raise ValueError("ShardedMuon: NorMuon with one matrix per head is not supported")
+            if any(len(s) != 2 or s[0] % head for s in shapes):
+                raise ValueError(f"ShardedMuon: split_rows={head} must divide the rows of 2-D matrices")
         param_group["full_shapes"], param_group["tp_split_dims"] = shapes, splits
         super().add_param_group(param_group)
         validate_group(self.param_groups[-1])  # canonical ns_dtype ("auto" resolved on the shards' device)
@@ -207,11 +213,17 @@ class ShardedMuon(torch.optim.Optimizer):
         tp = group_size(self.tp_group)
         # tp_mode=gram: Newton-Schulz on the TP shards, all-reducing Gram matrices over TP;
         # otherwise the owner gathers the whole matrix over TP and keeps its shard of the result.
-        on_shards = [i for i in fulls if tp > 1 and entries[i][3] is not None and entries[i][0]["tp_mode"] == "gram"]
-        owned = [i for i in fulls if i not in on_shards]
+        # optim.muon.split_heads: one matrix per head, and TP splits rows by whole heads, so the
+        # heads are complete on every TP rank: no TP gather.
+        heads = [i for i in fulls if entries[i][0]["split_rows"] is not None]
+        on_shards = [i for i in fulls if i not in heads and tp > 1 and entries[i][3] is not None
+                     and entries[i][0]["tp_mode"] == "gram"]
+        owned = [i for i in fulls if i not in on_shards and i not in heads]
         tp_full = [self._tp_gather(fulls[i], entries[i][3]) for i in owned]
-        ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned])
+        tp_full += [fulls[i].view(-1, entries[i][0]["split_rows"], fulls[i].shape[-1]) for i in heads]
+        ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned + heads])
         ortho_local = {i: self._tp_shard(o, entries[i][3]) for i, o in zip(owned, ortho)}
+        ortho_local.update({i: o.reshape(fulls[i].shape) for i, o in zip(heads, ortho[len(owned):])})
         ortho_local.update(self._orthogonalise_tp_shards({i: fulls[i] for i in on_shards}, entries))
         for i, rows in self._scatter_from_owners(ortho_local, inputs).items():
             updates[i] = rows
@@ -372,7 +384,9 @@ class ShardedMuon(torch.optim.Optimizer):
         tp = group_size(self.tp_group)
         for (g, p, full, split), u in zip(entries, updates):
             rows, cols = full[-2], full[-1]
-            if split is not None:
+            if g["split_rows"] is not None and p.dim() == 2:
+                rows = g["split_rows"]  # one matrix per head
+            elif split is not None:
                 rows, cols = (rows * tp, cols) if split == 0 else (rows, cols * tp)
             lr, decay = g["lr"], g["lr"] * g["weight_decay"]
             alpha = -lr * muon_scale(rows, cols, g["adjust_lr"])

@@ -97,7 +97,9 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
 def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh,
                param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True) -> None:
     """Shard each of `blocks`, then `root` (which holds them and the rest), in place."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Inputs are token ids, and activations follow autocast: FSDP2 need not cast them, and its
+    # casting would rebuild container arguments (the model's max-logit output list).
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     kept = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)} for name, p in root.named_parameters()}
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

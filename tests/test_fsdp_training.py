@@ -28,8 +28,9 @@ FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_me
     (2, ["parallel.dp_shard=2"], MUON + MOE, 2, 1),
     (2, ["parallel.dp_shard=2"], MUON, 1, 2),  # gradient accumulation
     (2, ["parallel.dp_shard=2"], CLIP, 2, 1),  # QK-clip scales each head's rows where they are
+    (2, ["parallel.dp_shard=2"], MUON + ["optim.muon.split_heads=true"], 2, 1),  # a matrix per head
 ], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "dp_shard2_tp2_gram", "hsdp2x2", "moe",
-     "accum2", "qk_clip"])
+     "accum2", "qk_clip", "split_heads"])
 def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum):
     dp = world // (2 if "parallel.tp=2" in layout else 1)
     single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}"])
@@ -128,3 +129,26 @@ def torch_size(shape):
     import torch
 
     return torch.Size(shape)
+
+
+def test_bf16_compute_from_fp32_master_weights(tmp_path):
+    """trainer.precision=bf16 under FSDP2: bf16 all-gathers and compute, fp32 shards and fp32
+    gradient reduction. The losses follow the single-process bf16 run within bf16's rounding,
+    and the master weights stay fp32."""
+    import json
+
+    options = MUON + ["trainer.precision=bf16", "trainer.max_steps=10"]
+    single = train_in_process(tmp_path / "single", options + ["trainer.batch_size=4"])
+    run_distributed(_train_worker, 2, str(tmp_path / "par"), options + ["parallel.dp_shard=2", "trainer.batch_size=2"])
+    sharded = read_metrics(tmp_path / "par")
+    assert_tracks(losses(sharded), losses(single), 2e-2)
+    assert json.loads((tmp_path / "par" / "environment.json").read_text())["layout"]["dp_shard"] == 2
+    # The parameters are gathered in bf16: 2 bytes an element, as the planner counts them.
+    import yaml
+
+    from eval.scale_plan import fsdp_dp_bytes, local_params
+    from model.config import ModelConfig
+
+    model = ModelConfig(**yaml.safe_load((tmp_path / "par" / "resolved_config.yaml").read_text())["model"])
+    step5 = next(r for r in sharded if r["step"] == 5)
+    assert step5["comm/dp/all_gather_bytes"] == fsdp_dp_bytes(local_params(model, 1), 2, param_bytes=2)["all_gather"]

@@ -49,7 +49,8 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
 
 @pytest.mark.parametrize("options, named", [
     (["optim=muon", "optim.muon.normuon=true"], "optim.muon.normuon=true with parallel.tp=2"),
-    (["optim=muon", "optim.muon.split_heads=true"], "optim.muon.split_heads=true"),
+    (["optim=muon", "optim.muon.split_heads=true", "optim.muon.normuon=true"],
+     "optim.muon.split_heads=true with optim.muon.normuon=true"),
     (["optim=muon", "optim.muon.cuda_graphs=true"], "optim.muon.cuda_graphs=true"),
     (["model=moe_tiny"], "a moe model (model.n_experts=4) with parallel.tp=2"),
 ])
