@@ -29,7 +29,8 @@ def exit_if_interrupted_during_start_up() -> None:
     """Exit 130 if Ctrl-C came during start-up. The handler's SystemExit normally ends the
     run where it lands, but an exception raised by a signal handler is lost where it lands in
     code that discards errors (C code that clears them): once, under load, a run went on to
-    train after Ctrl-C, with nothing on stderr. The flag cannot be lost; training checks it
-    before it takes SIGINT over."""
+    train after Ctrl-C, with nothing on stderr (twice under a loaded test suite). The flag
+    cannot be lost: Trainer.train checks it before it writes anything, and the preemption
+    handler before it takes SIGINT over."""
     if _interrupted:
         raise SystemExit(STARTUP_EXIT_CODE)

@@ -35,6 +35,7 @@ from trainer.config import TrainConfig, check_sharded_options, layout_keys
 from parallel.fsdp import apply_fsdp, fsdp_mesh, reshard, sync_gradients
 from parallel.mesh import Mesh, init_mesh, new_host_group
 from trainer.precision import resolve_run_precisions
+from trainer.interrupts import exit_if_interrupted_during_start_up
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
@@ -442,6 +443,7 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         """Run to trainer.max_steps; return the metrics of the last log event."""
+        exit_if_interrupted_during_start_up()  # before anything of training is written
         cfg, mesh = self.cfg, self.mesh
         t = cfg.trainer
         sinks = None
