@@ -14,6 +14,11 @@ Designs, per optimizer step and per rank:
                 DP-gathered and orthogonalised by every rank that holds part of them.
   megatron-poc  a bucketed layout that splits every parameter across DP: every matrix is
                 DP-gathered and every DP rank repeats every Newton-Schulz.
+  adamw-fsdp    FSDP2 over all of DP (parallel.dp_shard = dp), AdamW on the shards.
+  muon-fsdp     the same with our sharded Muon (optim/sharded_muon.py): whole matrices at LPT
+                owners, reached by two all-to-alls.
+  adamw-hsdp    HSDP: FSDP2 within a node (dp_shard = GPUs per node / TP), replicas across nodes.
+  muon-hsdp     the same with our sharded Muon.
 
 Conventions: gradients and parameters move in fp32 (4 bytes); the baselines' extra momentum
 gathers in bf16 (2 bytes), as Moonlight and the Megatron proof of concept do. Byte counts are
@@ -42,7 +47,9 @@ from optim.routing import route_parameters
 from optim.zero_plan import ParamSpec, ZeroPlan, build_plan
 
 NS_STEPS = 5
-DESIGNS = ("adamw-zero1", "muon-ours", "moonlight", "megatron-poc")
+DESIGNS = ("adamw-zero1", "muon-ours", "moonlight", "megatron-poc", "adamw-fsdp", "muon-fsdp", "adamw-hsdp",
+           "muon-hsdp")
+FSDP_DESIGNS = DESIGNS[4:]
 REPO = Path(__file__).resolve().parents[1]
 # HBM bytes per owned element of one optimizer update (fp32): AdamW reads p, g, m, v and writes
 # p, m, v; Muon reads g, m, the orthogonalised update and p, and writes m, the Newton-Schulz
@@ -406,4 +413,62 @@ def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: i
             "activations": act,
         }
         steps[design] = Step(design, dp, tp, row, memory, times)
+    for design in FSDP_DESIGNS:
+        step = fsdp_step(design, params, hw, dp, tp, micro_steps, compute, tp_act, act)
+        if step is not None:
+            steps[design] = step
     return steps
+
+
+def fsdp_step(design: str, params: list[Local], hw: Hardware, dp: int, tp: int, micro_steps: int,
+              compute: float, tp_act: float, act: float) -> Optional[Step]:
+    """An FSDP2 design (dp_shard = dp) or an HSDP one (dp_shard = the node's GPUs over TP,
+    replicated across nodes), with our sharded Muon or AdamW; None where HSDP's groups do not
+    divide the layout. Bytes and memory are fsdp_dp_bytes, muon_exchange_bytes_per_rank and
+    fsdp_memory, the formulas tests/test_fsdp_training.py checks against a counted run; bf16
+    all-gathers. FSDP2 overlaps its all-gathers (prefetched) and reduce-scatters (in the
+    backward) with compute, so only what compute cannot hide counts; ShardedMuon's exchange,
+    Newton-Schulz and TP gathers run in the optimizer step, like ZeRO-1's."""
+    optim = design.split("-")[0]
+    hsdp = design.endswith("hsdp")
+    shard = min(dp, max(1, hw.gpus_per_node // tp)) if hsdp else dp
+    if dp % shard or (hsdp and shard == dp):
+        return None  # HSDP needs more than one node's worth of data parallelism
+    replicate = dp // shard
+    shard_link = hw.nvlink if shard * tp <= hw.gpus_per_node else hw.ib
+    dp_bytes = fsdp_dp_bytes(params, shard, micro_steps, param_bytes=2)
+    memory = fsdp_memory(params, shard, optim)
+    shard_grads = memory["grads"]
+    overlapped = (ring_all_gather_s(dp_bytes["all_gather"], shard, shard_link)
+                  + ring_reduce_scatter_s(dp_bytes["reduce_scatter"], shard, shard_link)
+                  + (all_reduce_s(shard_grads, replicate, hw.ib) if replicate > 1 else 0.0))
+    exchange = muon_exchange_bytes_per_rank(params, shard) if optim == "muon" else 0.0
+    if optim == "muon":
+        plan = our_plan(params, shard)
+        ns = [sum(params[s.param].ns_flops for s in r.muon) for r in plan.ranks]
+        tp_bytes = sum(tp_gather_bytes(params[s.param], tp) for r in plan.ranks for s in r.muon) / shard
+        ns_max, ns_mean = max(ns), sum(ns) / shard
+    else:
+        tp_bytes = ns_max = ns_mean = 0.0
+    muon_elements = sum(fsdp_padded_numel(p.shape, shard) // shard for p in params if p.muon and optim == "muon")
+    adamw_elements = sum(fsdp_padded_numel(p.shape, shard) // shard for p in params) - muon_elements
+    total_dp = dp_bytes["all_gather"] + dp_bytes["reduce_scatter"] + (2 * shard_grads if replicate > 1 else 0.0)
+    row = DesignRow(total_dp + exchange, exchange, tp_bytes, ns_max, ns_mean, memory["optimizer_state"],
+                    muon_elements, adamw_elements)
+    times = {
+        "compute": compute,
+        "tp_activations": tp_act,
+        "dp_not_overlapped": max(0.0, overlapped - compute),
+        # the two all-to-alls: each rank sends (n - 1) / n of its buffer, as in a ring
+        "opt_dp_muon_exchange": ring_reduce_scatter_s(exchange, shard, shard_link) if exchange else 0.0,
+        "opt_tp_momentum_gather": ring_all_gather_s(tp_bytes, tp, hw.nvlink),
+        "opt_newton_schulz": ns_max / hw.matmul_flops,
+        "opt_elementwise": (ADAMW_BYTES_PER_ELEMENT * adamw_elements
+                            + MUON_BYTES_PER_ELEMENT * muon_elements) / hw.hbm_bytes_s,
+    }
+    # Between the micro-batches of an accumulation FSDP2 keeps the gradients unsharded (fp32):
+    # no reduce-scatter until the last one.
+    accumulated = 4 * sum(p.numel for p in params) if micro_steps > 1 else 0.0
+    mem = {"params": memory["params"], "grads": memory["grads"] + memory["gathered"] + accumulated,
+           "optimizer_state": memory["optimizer_state"], "activations": act}
+    return Step(design, dp, tp, row, mem, times)

@@ -5,8 +5,8 @@
     python scripts/plan_scale.py --model gpt_124m n_layers=24 d_model=1024 --seq-len 1024
 
 For every GPU count, every feasible (dp, tp) layout (TP inside a node, dividing the heads and
-hidden sizes) and each of the four ZeRO-1 designs of eval/scale_plan.py, it writes one row:
-per-rank memory (parameters, gradients with ZeRO's buffers, optimizer state, activations:
+hidden sizes) and each design of eval/scale_plan.py (four ZeRO-1 ones, FSDP2 and HSDP), it
+writes one row: per-rank memory (parameters, gradients with ZeRO's buffers, optimizer state, activations:
 eval/scale_plan.activation_bytes_per_token), DP and TP bytes, Newton-Schulz FLOPs of the
 busiest rank and the mean (our design's from the real LPT plan), and the predicted optimizer
 step and whole step, with the optimizer's share of it. Bytes and FLOPs are exact; times come

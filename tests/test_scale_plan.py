@@ -161,3 +161,34 @@ def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "dmodel=5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_fsdp_and_hsdp_designs_use_the_formulas_the_counted_run_checks():
+    """The planner's FSDP2 rows are fsdp_dp_bytes + the Muon exchange (bytes) and fsdp_memory
+    (memory), the formulas tests/test_fsdp_training.py meets on a counted run; HSDP shards
+    within a node and all-reduces its gradient shards across nodes."""
+    from eval.scale_plan import fsdp_dp_bytes, fsdp_memory, muon_exchange_bytes_per_rank
+    from model.config import ModelConfig
+
+    cfg = ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_hidden=512, vocab_size=1000)
+    hw = Hardware.load("h100_sxm")
+    dp, tp, seq, micro = 32, 2, 256, 2
+    params = local_params(cfg, tp)
+    steps = predict(cfg, hw, dp, tp, tokens_per_step=dp * seq * micro * 3, seq_len=seq, micro_batch=micro)
+    gathers = fsdp_dp_bytes(params, dp, micro_batches=3, param_bytes=2)
+    adamw, muon = steps["adamw-fsdp"], steps["muon-fsdp"]
+    assert adamw.row.dp_bytes == gathers["all_gather"] + gathers["reduce_scatter"]
+    assert muon.row.dp_bytes - adamw.row.dp_bytes == muon.row.extra_dp_bytes == muon_exchange_bytes_per_rank(params, dp)
+    memory = fsdp_memory(params, dp, "muon")
+    assert muon.memory["optimizer_state"] == memory["optimizer_state"]
+    assert muon.memory["params"] == memory["params"]
+    # three micro-batches: FSDP2 holds the unsharded fp32 gradients between them
+    assert muon.memory["grads"] == memory["grads"] + memory["gathered"] + 4 * sum(p.numel for p in params)
+    # HSDP: shards of the node's 8 / tp = 4 GPUs, 8 replicas; the all-reduce of the shards' gradients
+    hsdp = steps["muon-hsdp"]
+    node = fsdp_dp_bytes(params, 4, micro_batches=3, param_bytes=2)
+    shard_grads = fsdp_memory(params, 4, "muon")["grads"]
+    assert hsdp.row.dp_bytes == (node["all_gather"] + node["reduce_scatter"] + 2 * shard_grads
+                                 + muon_exchange_bytes_per_rank(params, 4))
+    # FSDP2's own collectives overlap compute: only what compute cannot hide is on the clock
+    assert set(adamw.times) >= {"compute", "dp_not_overlapped"} and adamw.optimizer_s < muon.optimizer_s
