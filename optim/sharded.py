@@ -96,14 +96,10 @@ class ShardedOptimizer(OptimizerSet):
 
     @staticmethod
     def _matrix_tp_split(p: torch.Tensor) -> int | None:
-        """The TP split of a 2-D matrix (an expert stack's experts are never TP-gathered here:
-        TP splits each expert's hidden units, and Newton-Schulz runs per TP-local expert only
-        when tp = 1)."""
+        """The matrix dimension (0: rows, 1: columns) TP splits, of a matrix or of each expert of
+        a stack; None where TP leaves it whole."""
         split = getattr(p, "tp_split_dim", None)
-        if split is not None and p.dim() != 2:
-            raise ValueError("expert stacks split over TP do not run on sharded parameters yet: "
-                             "use parallel.tp=1 with parallel.dp_shard > 1 for a moe model")
-        return split
+        return None if split is None else split - (p.dim() - 2)
 
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 has averaged the gradients; point the local tensors at their rows, and clip

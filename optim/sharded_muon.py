@@ -147,8 +147,8 @@ class ShardedMuon(torch.optim.Optimizer):
             if p.dim() not in (2, 3) or p.shape != torch.Size((stop - start, *full[1:])):
                 raise ValueError(f"ShardedMuon: parameter {i} of shape {tuple(p.shape)} is not rank {me}'s rows "
                                  f"[{start}, {stop}) of {tuple(full)} split {n} ways")
-            if splits[i] is not None and (p.dim() != 2 or splits[i] not in (0, 1)):
-                raise ValueError(f"ShardedMuon: parameter {i}: a TP split dim must be 0 or 1 of a 2-D matrix")
+            if splits[i] is not None and splits[i] not in (0, 1):
+                raise ValueError(f"ShardedMuon: parameter {i}: a TP split must be a matrix dimension, 0 or 1")
         if param_group.get("normuon", self.defaults["normuon"]) and any(t is not None for t in splits):
             raise ValueError("ShardedMuon: NorMuon on matrices split over TP as well as sharded is not supported")
         head = param_group.get("split_rows")
@@ -205,10 +205,13 @@ class ShardedMuon(torch.optim.Optimizer):
             else:
                 torch._foreach_copy_(outs, bufs)
         updates: list[Optional[Tensor]] = [None] * len(entries)
-        # Expert stacks: whole experts on every rank, orthogonalised where they are.
+        # Expert stacks: whole experts on every rank, orthogonalised where they are (gathered over
+        # TP first where TP splits each expert's hidden units; every rank of a TP group holds the
+        # same experts).
         stacks = [i for i, (_, p, _, _) in enumerate(entries) if p.dim() == 3]
-        for i, u in zip(stacks, self._orthogonalise([inputs[i] for i in stacks], [entries[i][0] for i in stacks])):
-            updates[i] = u
+        whole = [self._tp_gather(inputs[i], entries[i][3]) for i in stacks]
+        for i, u in zip(stacks, self._orthogonalise(whole, [entries[i][0] for i in stacks])):
+            updates[i] = self._tp_shard(u, entries[i][3])
         fulls = self._gather_to_owners(inputs)
         tp = group_size(self.tp_group)
         # tp_mode=gram: Newton-Schulz on the TP shards, all-reducing Gram matrices over TP;
@@ -239,14 +242,21 @@ class ShardedMuon(torch.optim.Optimizer):
             if not g["normuon"]:
                 continue
             u = updates[i]
-            stack = u if u.dim() == 3 else u.unsqueeze(0)
             v = self.state[p].get("normuon_v")
             if v is None:
                 v = self.state[p]["normuon_v"] = torch.zeros(self._normuon_shape(p, full), device=p.device)
-            rows, cols = full[-2], full[-1]
-            matrix = u.dim() == 2
-            normuon.normalise(stack, v, g["normuon_beta2"], rows, cols, 0 if matrix and sharded else None,
-                              self.group if matrix else None, keep)
+            if u.dim() == 2:  # this rank's rows: sums or norms completed over the shard group
+                normuon.normalise(u.unsqueeze(0), v, g["normuon_beta2"], full[0], full[1],
+                                  0 if sharded else None, self.group, keep)
+            else:  # whole experts (never split over TP here: add_param_group refuses it)
+                normuon.normalise(u, v, g["normuon_beta2"], full[-2], full[-1], None, None, keep)
+
+    def _tp_full(self, rows: int, cols: int, split: Optional[int]) -> tuple[int, int]:
+        """The whole matrix's shape, from the TP-local one."""
+        tp = group_size(self.tp_group)
+        if split is None:
+            return rows, cols
+        return (rows * tp, cols) if split == 0 else (rows, cols * tp)
 
     @staticmethod
     def _normuon_shape(p: Tensor, full: torch.Size) -> tuple[int, int, int]:
@@ -293,18 +303,20 @@ class ShardedMuon(torch.optim.Optimizer):
         return out
 
     def _tp_gather(self, local: Tensor, split: Optional[int]) -> Tensor:
-        """The whole matrix from every TP rank's (TP-local) one, along the TP split."""
+        """The whole matrices from every TP rank's (TP-local) ones, along the TP split (a matrix
+        dimension: 0 rows, 1 columns, of a matrix or of every matrix of a stack)."""
         if split is None or group_size(self.tp_group) == 1:
             return local
         tp = group_size(self.tp_group)
         gathered = local.new_empty((tp, *local.shape))
         all_gather_into(gathered, local, self.tp_group)
-        return torch.cat(gathered.unbind(0), dim=split)
+        return torch.cat(gathered.unbind(0), dim=split + local.dim() - 2)
 
     def _tp_shard(self, full: Tensor, split: Optional[int]) -> Tensor:
         if split is None or group_size(self.tp_group) == 1:
             return full
-        return full.chunk(group_size(self.tp_group), dim=split)[group_rank(self.tp_group)].contiguous()
+        tp = group_size(self.tp_group)
+        return full.chunk(tp, dim=split + full.dim() - 2)[group_rank(self.tp_group)].contiguous()
 
     def _orthogonalise(self, matrices: list[Tensor], groups: list[dict[str, Any]]) -> list[Tensor]:
         """Newton-Schulz of each matrix (or stack), one call per shape and setting, left in the
@@ -381,13 +393,12 @@ class ShardedMuon(torch.optim.Optimizer):
         """p <- p * (1 - lr * wd) - lr * scale * O on this rank's rows, scale for the whole
         matrix's shape (TP included), as optim/muon.py's update; with cautious_wd the decay only
         where O and p agree in sign. `keep` == 0 (a skipped step) leaves p as it is."""
-        tp = group_size(self.tp_group)
         for (g, p, full, split), u in zip(entries, updates):
             rows, cols = full[-2], full[-1]
             if g["split_rows"] is not None and p.dim() == 2:
                 rows = g["split_rows"]  # one matrix per head
-            elif split is not None:
-                rows, cols = (rows * tp, cols) if split == 0 else (rows, cols * tp)
+            else:
+                rows, cols = self._tp_full(rows, cols, split)
             lr, decay = g["lr"], g["lr"] * g["weight_decay"]
             alpha = -lr * muon_scale(rows, cols, g["adjust_lr"])
             if keep is not None:

@@ -25,11 +25,14 @@ FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_me
     pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON + ["optim.muon.tp_mode=gram"], 4, 1,
                  marks=pytest.mark.slow),
     pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], MUON, 1, 1, marks=pytest.mark.slow),  # HSDP
+    # experts sharded over dp_shard and split over TP: gathered over TP at the rank that holds them
+    pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON + MOE, 4, 1, marks=pytest.mark.slow),
     (2, ["parallel.dp_shard=2"], MUON + MOE, 2, 1),
     (2, ["parallel.dp_shard=2"], MUON, 1, 2),  # gradient accumulation
     (2, ["parallel.dp_shard=2"], CLIP, 2, 1),  # QK-clip scales each head's rows where they are
     (2, ["parallel.dp_shard=2"], MUON + ["optim.muon.split_heads=true"], 2, 1),  # a matrix per head
-], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "dp_shard2_tp2_gram", "hsdp2x2", "moe",
+], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "dp_shard2_tp2_gram", "hsdp2x2",
+     "moe_dp_shard2_tp2", "moe",
      "accum2", "qk_clip", "split_heads"])
 def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum):
     dp = world // (2 if "parallel.tp=2" in layout else 1)

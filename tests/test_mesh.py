@@ -52,7 +52,6 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
     (["optim=muon", "optim.muon.split_heads=true", "optim.muon.normuon=true"],
      "optim.muon.split_heads=true with optim.muon.normuon=true"),
     (["optim=muon", "optim.muon.cuda_graphs=true"], "optim.muon.cuda_graphs=true"),
-    (["model=moe_tiny"], "a moe model (model.n_experts=4) with parallel.tp=2"),
 ])
 def test_options_that_do_not_run_on_sharded_parameters_are_refused_in_one_line(options, named):
     from tests.conftest import compose

@@ -221,8 +221,6 @@ def check_sharded_options(cfg: TrainConfig, layout: Layout) -> None:
     problem = unsupported_with_sharding(cfg.optim)
     if problem is None and cfg.optim.name == "muon" and cfg.optim.muon.normuon and layout.tp > 1:
         problem = f"optim.muon.normuon=true with parallel.tp={layout.tp}"
-    if problem is None and cfg.model.n_experts and layout.tp > 1:
-        problem = f"a moe model (model.n_experts={cfg.model.n_experts}) with parallel.tp={layout.tp}"
     if problem is not None:
         raise ConfigError(f"{problem} does not run with sharded parameters yet "
                           f"(parallel.dp_shard={layout.dp_shard}); use parallel.dp_shard=1 (ZeRO-1) for it")
