@@ -393,18 +393,24 @@ class ShardedMuon(torch.optim.Optimizer):
         """p <- p * (1 - lr * wd) - lr * scale * O on this rank's rows, scale for the whole
         matrix's shape (TP included), as optim/muon.py's update; with cautious_wd the decay only
         where O and p agree in sign. `keep` == 0 (a skipped step) leaves p as it is."""
+        # One for-each call per group and scale (a few launches a step, not a few per matrix).
+        buckets: dict[tuple[int, float], tuple[dict[str, Any], list[Tensor], list[Tensor]]] = {}
         for (g, p, full, split), u in zip(entries, updates):
             rows, cols = full[-2], full[-1]
             if g["split_rows"] is not None and p.dim() == 2:
                 rows = g["split_rows"]  # one matrix per head
             else:
                 rows, cols = self._tp_full(rows, cols, split)
-            lr, decay = g["lr"], g["lr"] * g["weight_decay"]
-            alpha = -lr * muon_scale(rows, cols, g["adjust_lr"])
+            alpha = -g["lr"] * muon_scale(rows, cols, g["adjust_lr"])
+            bucket = buckets.setdefault((id(g), alpha), (g, [], []))
+            bucket[1].append(p)
+            bucket[2].append(u)
+        for (_, alpha), (g, params, ups) in buckets.items():
+            decay = g["lr"] * g["weight_decay"]
             if keep is not None:
-                u = u * keep  # a skipped step's update is zero (so no cautious decay either)
+                ups = torch._foreach_mul(ups, keep)  # a skipped step's update is zero (no cautious decay either)
             if decay != 0 and self.cautious_wd:
-                p.mul_(torch.where(u * p > 0, 1.0 - decay, 1.0))
+                torch._foreach_mul_(params, [torch.where(u * p > 0, 1.0 - decay, 1.0) for p, u in zip(params, ups)])
             elif decay != 0:
-                p.mul_(1.0 - decay if keep is None else 1.0 - decay * keep)
-            p.add_(u, alpha=alpha)
+                torch._foreach_mul_(params, 1.0 - decay if keep is None else 1.0 - decay * keep)
+            torch._foreach_add_(params, ups, alpha=alpha)
