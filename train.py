@@ -33,7 +33,7 @@ from data.sources import DataConfigError, check_data_config, check_data_packages
 from model.moe import check_moe_config
 from model.parallelize import check_tp_divisibility
 from trainer.checkpoint_files import CheckpointError
-from trainer.config import check_sharded_options, layout_keys, register_configs, to_dataclass, validate
+from trainer.config import layout_keys, register_configs, to_dataclass, validate
 from trainer.device import DeviceError
 from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
@@ -96,7 +96,7 @@ def main(cfg: DictConfig) -> float:
         quiet_nonzero_rank_logging()
         typed = to_dataclass(cfg)
         validate(typed)
-        check_sharded_options(typed, check_layout(world_size_from_env(), layout_keys(typed.parallel)))
+        check_layout(world_size_from_env(), layout_keys(typed.parallel))
         check_moe_config(typed.model)
         check_tp_divisibility(typed.model, typed.parallel.tp)
         check_data_config(typed.data)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -77,8 +77,10 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def validate_group(group: dict[str, Any]) -> None:
-    """Raises ValueError naming the config key of the first bad option; canonicalises ns_dtype."""
+def validate_group(group: dict[str, Any], shapes: Sequence[torch.Size] | None = None) -> None:
+    """Raises ValueError naming the config key of the first bad option; canonicalises ns_dtype.
+    `shapes`: the whole matrices' shapes, where the group's parameters are row shards of them
+    (a shard's rows need not be whole heads)."""
     lr = group["lr"]
     if isinstance(lr, Tensor):
         raise ValueError("optim.muon.lr (optim.lr) must be a Python float, not a tensor")
@@ -136,8 +138,8 @@ def validate_group(group: dict[str, Any]) -> None:
     h = group["split_rows"]
     if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
         raise ValueError(f"optim.muon.split_rows must be None or an int >= 1, got {h!r}")
-    for p in group["params"]:
-        matrix_layout(p.shape, h)  # raises on unsupported shapes
+    for i, p in enumerate(group["params"]):
+        matrix_layout(p.shape if shapes is None else shapes[i], h)  # raises on unsupported shapes
         if p.is_sparse:
             raise ValueError("optim.muon: sparse parameters are not supported")
 

@@ -29,25 +29,10 @@ from parallel.fsdp import local_rows
 from parallel.mesh import Mesh
 
 
-def unsupported_with_sharding(cfg: OptimConfig) -> str | None:
-    """The first Muon setting that FSDP2's sharded step does not run (yet), as it is typed."""
-    m = cfg.muon
-    if cfg.name != "muon":
-        return None
-    if m.cuda_graphs:  # its graphs replay fixed stacks; the sharded step builds its own each time
-        return "optim.muon.cuda_graphs=true"
-    if m.split_heads and m.normuon:  # a head's rows may lie on two ranks
-        return "optim.muon.split_heads=true with optim.muon.normuon=true"
-    return None
-
-
 class ShardedOptimizer(OptimizerSet):
     """ShardedMuon + fused AdamW (optim=muon) or fused AdamW alone, on FSDP2's local shards."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
-        problem = unsupported_with_sharding(cfg)
-        if problem is not None:
-            raise ValueError(f"{problem} does not run on sharded parameters (parallel.dp_shard > 1) yet")
         self.mesh = mesh
         self.shard_group = mesh.device_mesh.get_group("dp_shard")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -85,6 +70,7 @@ class ShardedOptimizer(OptimizerSet):
                 ns_steps=m.ns_steps, coefficients=m.coefficients, ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr,
                 eps=m.eps, ns_method=m.ns_method, ns_by_shape=m.ns_by_shape, cautious_wd=cfg.cautious_wd,
                 tp_group=mesh.tp_group, normuon=m.normuon, normuon_beta2=m.normuon_beta2, tp_mode=m.tp_mode,
+                cuda_graphs=m.cuda_graphs,
             )
         if by_target["adamw"]:
             optimizers["adamw"] = build_adamw(

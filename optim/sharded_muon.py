@@ -37,7 +37,8 @@ from torch import Tensor
 
 from optim import normuon
 from optim.muon import parse_ns_dtype, validate_group
-from optim.newton_schulz import NSShape, iteration_for, momentum_update, muon_scale, newton_schulz
+from optim.newton_schulz import (NSShape, iteration_for, momentum_update, muon_scale, newton_schulz,
+                                 reusable_buffer)
 from optim.newton_schulz_tp import newton_schulz_sharded
 from optim.zero_plan import ParamSpec, build_plan
 from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size
@@ -92,6 +93,9 @@ class ShardedMuon(torch.optim.Optimizer):
         full_shapes: every parameter's unsharded (TP-local) shape, when `params` is a list.
         group: the group the rows are sharded over (None: one process holding everything).
         tp_group: the TP group (None: no tensor parallelism).
+        cuda_graphs: Newton-Schulz of each batch of same-shape matrices (an owner's, or a rank's
+            experts) through a recorded CUDA graph, as Muon's option does: the batch is copied
+            into a buffer that stays at one address from step to step, which the graph replays.
         The rest as optim.muon.Muon. Like Muon, `step` honours a `found_inf` attribute (a 0-d
         float tensor, 1.0 to skip the step on the device without a host sync).
     """
@@ -117,6 +121,7 @@ class ShardedMuon(torch.optim.Optimizer):
         normuon: bool = False,
         normuon_beta2: float = 0.95,
         tp_mode: str = "gather",
+        cuda_graphs: bool = False,
     ) -> None:
         params = list(params)
         if params and not isinstance(params[0], dict):
@@ -133,6 +138,7 @@ class ShardedMuon(torch.optim.Optimizer):
         validate_group({**defaults, "params": []})  # the defaults themselves, as Muon checks them
         super().__init__(params, defaults)
         self.cautious_wd = cautious_wd
+        self.cuda_graphs = cuda_graphs
         self.matrices = _plan(self.full_shapes, group_size(group))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -149,17 +155,13 @@ class ShardedMuon(torch.optim.Optimizer):
                                  f"[{start}, {stop}) of {tuple(full)} split {n} ways")
             if splits[i] is not None and splits[i] not in (0, 1):
                 raise ValueError(f"ShardedMuon: parameter {i}: a TP split must be a matrix dimension, 0 or 1")
-        if param_group.get("normuon", self.defaults["normuon"]) and any(t is not None for t in splits):
-            raise ValueError("ShardedMuon: NorMuon on matrices split over TP as well as sharded is not supported")
         head = param_group.get("split_rows")
         if head is not None:
-            if param_group.get("normuon", self.defaults["normuon"]):
-                raise ValueError("ShardedMuon: NorMuon with one matrix per head is not supported")
             if any(len(s) != 2 or s[0] % head for s in shapes):
                 raise ValueError(f"ShardedMuon: split_rows={head} must divide the rows of 2-D matrices")
         param_group["full_shapes"], param_group["tp_split_dims"] = shapes, splits
         super().add_param_group(param_group)
-        validate_group(self.param_groups[-1])  # canonical ns_dtype ("auto" resolved on the shards' device)
+        validate_group(self.param_groups[-1], shapes)  # canonical ns_dtype ("auto" resolved on the shards' device)
 
     @property
     def full_shapes(self) -> list[torch.Size]:
@@ -210,7 +212,7 @@ class ShardedMuon(torch.optim.Optimizer):
         # same experts).
         stacks = [i for i, (_, p, _, _) in enumerate(entries) if p.dim() == 3]
         whole = [self._tp_gather(inputs[i], entries[i][3]) for i in stacks]
-        for i, u in zip(stacks, self._orthogonalise(whole, [entries[i][0] for i in stacks])):
+        for i, u in zip(stacks, self._orthogonalise(whole, [entries[i][0] for i in stacks], "experts")):
             updates[i] = self._tp_shard(u, entries[i][3])
         fulls = self._gather_to_owners(inputs)
         tp = group_size(self.tp_group)
@@ -224,7 +226,7 @@ class ShardedMuon(torch.optim.Optimizer):
         owned = [i for i in fulls if i not in on_shards and i not in heads]
         tp_full = [self._tp_gather(fulls[i], entries[i][3]) for i in owned]
         tp_full += [fulls[i].view(-1, entries[i][0]["split_rows"], fulls[i].shape[-1]) for i in heads]
-        ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned + heads])
+        ortho = self._orthogonalise(tp_full, [entries[i][0] for i in owned + heads], "owned")
         ortho_local = {i: self._tp_shard(o, entries[i][3]) for i, o in zip(owned, ortho)}
         ortho_local.update({i: o.reshape(fulls[i].shape) for i, o in zip(heads, ortho[len(owned):])})
         ortho_local.update(self._orthogonalise_tp_shards({i: fulls[i] for i in on_shards}, entries))
@@ -234,22 +236,23 @@ class ShardedMuon(torch.optim.Optimizer):
         self._apply(entries, updates, keep)
 
     def _normuon(self, entries, updates: list[Optional[Tensor]], keep: Optional[Tensor]) -> None:
-        """NorMuon (optim/normuon.py) on each update as this rank holds it: a 2-D matrix's rows
-        (sharded over the group: its sums or norms are completed there), an expert stack's
-        whole experts. v is kept for the local rows, or whole where it runs along the columns."""
-        sharded = group_size(self.group) > 1
-        for i, (g, p, full, _) in enumerate(entries):
+        """NorMuon (optim/normuon.py) on each update as this rank holds it: a 2-D parameter's rows
+        (their matrices' sums completed over the shard group, and over TP where it splits them),
+        an expert stack's whole experts (over TP where it splits each expert)."""
+        for i, (g, p, full, split) in enumerate(entries):
             if not g["normuon"]:
                 continue
-            u = updates[i]
             v = self.state[p].get("normuon_v")
             if v is None:
-                v = self.state[p]["normuon_v"] = torch.zeros(self._normuon_shape(p, full), device=p.device)
-            if u.dim() == 2:  # this rank's rows: sums or norms completed over the shard group
-                normuon.normalise(u.unsqueeze(0), v, g["normuon_beta2"], full[0], full[1],
-                                  0 if sharded else None, self.group, keep)
-            else:  # whole experts (never split over TP here: add_param_group refuses it)
-                normuon.normalise(u, v, g["normuon_beta2"], full[-2], full[-1], None, None, keep)
+                v = self.state[p]["normuon_v"] = torch.zeros(self._normuon_shape(g, p, full, split), device=p.device)
+            if p.dim() == 2:
+                shard = self._row_shard(g, full, split)
+                row_groups = [self.group] + ([self.tp_group] if split == 0 and g["split_rows"] is None else [])
+                normuon.normalise_rows(updates[i], v, g["normuon_beta2"], shard, row_groups,
+                                       self.tp_group if split == 1 else None, keep)
+            else:
+                rows, cols = self._tp_full(full[-2], full[-1], split)
+                normuon.normalise(updates[i], v, g["normuon_beta2"], rows, cols, split, self.tp_group, keep)
 
     def _tp_full(self, rows: int, cols: int, split: Optional[int]) -> tuple[int, int]:
         """The whole matrix's shape, from the TP-local one."""
@@ -258,32 +261,46 @@ class ShardedMuon(torch.optim.Optimizer):
             return rows, cols
         return (rows * tp, cols) if split == 0 else (rows, cols * tp)
 
-    @staticmethod
-    def _normuon_shape(p: Tensor, full: torch.Size) -> tuple[int, int, int]:
-        """v's shape: for this rank's rows of a matrix, or its whole experts."""
+    def _row_shard(self, g: dict[str, Any], full: torch.Size, split: Optional[int]) -> normuon.RowShard:
+        """This rank's rows of a 2-D parameter of (TP-local) shape `full`, as NorMuon sees them:
+        one matrix per head under split_heads (TP splits rows by whole heads), else one matrix."""
+        start, stop = row_range(full[0], group_size(self.group), group_rank(self.group))
+        head = g["split_rows"]
+        if head is not None:
+            cols = self._tp_full(head, full[1], split if split == 1 else None)[1]
+            return normuon.RowShard(start, stop - start, head, full[0] // head, head, cols)
+        return normuon.RowShard(start, stop - start, full[0], 1, *self._tp_full(full[0], full[1], split))
+
+    def _normuon_shape(self, g: dict[str, Any], p: Tensor, full: torch.Size, split: Optional[int]) -> tuple[int, ...]:
+        """v's shape: for this rank's rows of a matrix, or its (TP-local parts of) whole experts."""
         if p.dim() == 3:
-            return normuon.state_shape(p.shape[0], p.shape[1], p.shape[2], p.shape[1], p.shape[2])
-        return normuon.state_shape(1, p.shape[0], p.shape[1], full[0], full[1])
+            return normuon.state_shape(p.shape[0], p.shape[1], p.shape[2], *self._tp_full(p.shape[1], p.shape[2], split))
+        return self._row_shard(g, full, split).state_shape(p.shape[1])
+
+    def _entry_of(self, p: Tensor) -> tuple[dict[str, Any], Tensor, torch.Size, Optional[int]]:
+        return next(e for e in self._entries() if e[1] is p)
 
     def export_state(self, p: Tensor, state: dict[str, Any]) -> dict[str, Tensor]:
         """`p`'s state as checkpoints hold it: every non-scalar tensor in p's (local) shape,
         NorMuon's v broadcast over the dimension it was reduced along, as Muon saves it."""
         out = {key: value for key, value in state.items() if torch.is_tensor(value)}
         if "normuon_v" in out:
-            k = p.shape[0] if p.dim() == 3 else 1
-            out["normuon_v"] = out["normuon_v"].expand(k, *p.shape[-2:]).reshape(p.shape)
+            g, _, full, split = self._entry_of(p)
+            if p.dim() == 3:
+                out["normuon_v"] = out["normuon_v"].expand(p.shape)
+            else:
+                out["normuon_v"] = self._row_shard(g, full, split).export(out["normuon_v"], p.shape[1])
         return out
 
     def import_state(self, p: Tensor, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The inverse of export_state (state already on p's device)."""
         if "normuon_v" in state:
-            full = next(s for g in self.param_groups for q, s in zip(g["params"], g["full_shapes"]) if q is p)
-            shape = self._normuon_shape(p, full)
-            k = p.shape[0] if p.dim() == 3 else 1
-            v = state["normuon_v"].reshape(k, *p.shape[-2:])[:, : shape[1], : shape[2]].float().contiguous()
-            # A rank with no rows of a matrix whose v runs along the columns cannot read v off its
-            # (empty) rows; it never uses it either: its v only rescales its own, empty, rows.
-            state["normuon_v"] = v if v.shape == torch.Size(shape) else torch.zeros(shape, device=p.device)
+            g, _, full, split = self._entry_of(p)
+            if p.dim() == 3:
+                shape = self._normuon_shape(g, p, full, split)
+                state["normuon_v"] = state["normuon_v"][:, : shape[1], : shape[2]].float().contiguous()
+            else:
+                state["normuon_v"] = self._row_shard(g, full, split).restore(state["normuon_v"].reshape(p.shape))
         return state
 
     def _orthogonalise_tp_shards(self, shards: dict[int, Tensor], entries) -> dict[int, Tensor]:
@@ -318,20 +335,33 @@ class ShardedMuon(torch.optim.Optimizer):
         tp = group_size(self.tp_group)
         return full.chunk(tp, dim=split + full.dim() - 2)[group_rank(self.tp_group)].contiguous()
 
-    def _orthogonalise(self, matrices: list[Tensor], groups: list[dict[str, Any]]) -> list[Tensor]:
+    def _orthogonalise(self, matrices: list[Tensor], groups: list[dict[str, Any]], tag: str) -> list[Tensor]:
         """Newton-Schulz of each matrix (or stack), one call per shape and setting, left in the
         Newton-Schulz dtype: the iteration's last product is in that dtype already, so sending
-        it back that way loses nothing and, in bf16, halves the return trip."""
+        it back that way loses nothing and, in bf16, halves the return trip. `tag` names the
+        call site's buffers (the results are read until the step's end)."""
         out: list[Optional[Tensor]] = [None] * len(matrices)
         batches: dict[tuple, list[int]] = {}
         for j, (m, g) in enumerate(zip(matrices, groups)):
             setting = (g["ns_steps"], g["coefficients"], parse_ns_dtype(g["ns_dtype"]), g["eps"], g["ns_method"])
             batches.setdefault((tuple(m.shape[-2:]), setting, id(g)), []).append(j)
-        for ((rows, cols), (steps, coefficients, dtype, eps, method), _), idx in batches.items():
-            stack = torch.cat([matrices[j].reshape(-1, rows, cols) for j in idx])
+        for b, (((rows, cols), (steps, coefficients, dtype, eps, method), _), idx) in enumerate(batches.items()):
+            parts = [matrices[j].reshape(-1, rows, cols) for j in idx]
+            total = sum(t.shape[0] for t in parts)
             iteration = iteration_for(method, NSShape(rows, cols), steps, groups[idx[0]]["ns_by_shape"])
-            orth = (newton_schulz(stack, steps, coefficients, dtype, eps, out_dtype=dtype, iteration=iteration)
-                    if stack.shape[0] else stack.to(dtype))
+            if self.cuda_graphs and total:
+                # The same batches come every step, in the same order: buffers named by call
+                # site and batch keep their addresses, so the recorded graph replays on them.
+                name = f"sharded_muon.{tag}.{b}"
+                stack = reusable_buffer(name, total, rows, cols, parts[0].dtype, parts[0].device, persistent=True)
+                torch.cat(parts, out=stack)
+                result = reusable_buffer(name + ".out", total, rows, cols, dtype, parts[0].device, persistent=True)
+                orth = newton_schulz(stack, steps, coefficients, dtype, eps, out=result, iteration=iteration,
+                                     graph=True)
+            else:
+                stack = torch.cat(parts)
+                orth = (newton_schulz(stack, steps, coefficients, dtype, eps, out_dtype=dtype, iteration=iteration)
+                        if total else stack.to(dtype))
             offset = 0
             for j in idx:
                 k = matrices[j].numel() // (rows * cols)

@@ -14,6 +14,7 @@ MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
 CLIP = MUON + ["optim.qk_clip.enabled=true", "optim.qk_clip.tau=1", "model.init_std=0.3"]
 MOE = ["model=moe_tiny", "trainer.seq_len=32"]
 FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_method=gram"]
+HEADS_NORMUON = ["optim.muon.split_heads=true", "optim.muon.normuon=true"]
 
 
 @pytest.mark.parametrize("world, layout, options, per_rank, accum", [
@@ -31,9 +32,22 @@ FAMILY = ["optim.muon.normuon=true", "optim.cautious_wd=true", "optim.muon.ns_me
     (2, ["parallel.dp_shard=2"], MUON, 1, 2),  # gradient accumulation
     (2, ["parallel.dp_shard=2"], CLIP, 2, 1),  # QK-clip scales each head's rows where they are
     (2, ["parallel.dp_shard=2"], MUON + ["optim.muon.split_heads=true"], 2, 1),  # a matrix per head
+    # NorMuon per head, on heads whose rows the shards cut; and with TP (sums over both groups)
+    (3, ["parallel.dp_shard=3"], MUON + HEADS_NORMUON, 1, 1),
+    pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON + MOE + ["optim.muon.normuon=true"], 4, 1,
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["parallel.dp_shard=2", "parallel.tp=2"], MUON + HEADS_NORMUON, 4, 1, marks=pytest.mark.slow),
+    # cuda_graphs: its fixed-address buffers (the graphs themselves need CUDA; test_sharded_muon.py
+    # replays emulated ones)
+    (2, ["parallel.dp_shard=2"], MUON + ["optim.muon.cuda_graphs=true"], 2, 1),
+    # gathered weights kept from the forward to the backward (their bytes: test below)
+    (2, ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"], MUON, 2, 1),
+    # each block compiled under FSDP2, against the whole model compiled in one process
+    pytest.param(2, ["parallel.dp_shard=2"], MUON + ["trainer.compile=true"], 2, 1, marks=pytest.mark.slow),
 ], ids=["muon", "adamw", "dp_shard3_normuon_cautious_gram", "dp_shard2_tp2", "dp_shard2_tp2_gram", "hsdp2x2",
      "moe_dp_shard2_tp2", "moe",
-     "accum2", "qk_clip", "split_heads"])
+     "accum2", "qk_clip", "split_heads", "dp_shard3_split_heads_normuon", "moe_dp_shard2_tp2_normuon",
+     "dp_shard2_tp2_split_heads_normuon", "cuda_graphs", "no_reshard_after_forward", "compile"])
 def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum):
     dp = world // (2 if "parallel.tp=2" in layout else 1)
     single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}"])
@@ -58,7 +72,10 @@ def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout,
     pytest.param((2, 1, 1), (2, 1, 2), ("optim.muon.normuon=true",), marks=pytest.mark.slow),
     pytest.param((2, 1, 1), (2, 1, 2), (), marks=pytest.mark.slow),
     pytest.param((2, 1, 2), (1, 2, 1), (), marks=pytest.mark.slow),
-], ids=["fsdp-resume", "fsdp-resume-normuon", "zero1-to-fsdp-normuon", "zero1-to-fsdp", "fsdp-to-tp2"])
+    # NorMuon's v per head, saved from rows that cut heads and read back by TP's whole heads
+    pytest.param((2, 1, 2), (1, 2, 1), tuple(HEADS_NORMUON), marks=pytest.mark.slow),
+], ids=["fsdp-resume", "fsdp-resume-normuon", "zero1-to-fsdp-normuon", "zero1-to-fsdp", "fsdp-to-tp2",
+     "fsdp-to-tp2-heads-normuon"])
 def test_sharded_checkpoints_resume_at_any_layout(tmp_path, saved, loaded, options):
     from tests.test_checkpoint import assert_continues_like, run_layout
 
@@ -73,7 +90,7 @@ def test_sharded_checkpoints_resume_at_any_layout(tmp_path, saved, loaded, optio
     assert_continues_like(straight, resumed, 0.0 if saved == loaded else 1e-5)
 
 
-def _numbers_worker(rank: int, world: int, run_dir: str) -> dict:
+def _numbers_worker(rank: int, world: int, run_dir: str, extra: tuple[str, ...] = ()) -> dict:
     """Rank 0's FSDP2 traffic in a logged step, and every rank's bytes of parameters,
     gradients and optimizer state after one step."""
     from parallel.fsdp import local_rows
@@ -84,7 +101,7 @@ def _numbers_worker(rank: int, world: int, run_dir: str) -> dict:
     from trainer.loop import Trainer
 
     cfg = to_dataclass(compose(COMMON + MUON + [f"parallel.dp_shard={world}", "trainer.batch_size=1",
-                                                "trainer.grad_accum=2", "trainer.max_steps=3"]))
+                                                "trainer.grad_accum=2", "trainer.max_steps=3", *extra]))
     trainer = Trainer(cfg, Path(run_dir), build_mesh(1, dp_shard=world))
     x, y = trainer.train_batches.micro_batch(0, 0, trainer.mesh.dp_rank, trainer.mesh.dp, 1)
     trainer.forward(x, y).backward()
@@ -126,6 +143,24 @@ def test_fsdp_bytes_and_memory_meet_the_planners_formulas(tmp_path):
     full = 4 * sum(p.numel for p in params)
     assert rank0["params"] + rank0["grads"] <= 1.02 * (2 * full) / world
     assert memory["gathered"] < full
+
+
+def test_weights_kept_from_forward_to_backward_are_gathered_once(tmp_path):
+    """parallel.reshard_after_forward=false: each block's weights stay gathered from its
+    forward to its backward, so a micro-batch gathers every block once, not twice, as the
+    planner's formula says."""
+    import json
+
+    from eval.scale_plan import fsdp_dp_bytes, local_params
+
+    world = 2
+    results = run_distributed(_numbers_worker, world, str(tmp_path), ("parallel.reshard_after_forward=false",))
+    params = local_params(results[0]["model"], 1)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step2 = next(r for r in logged if r["step"] == 2)
+    kept = fsdp_dp_bytes(params, world, micro_batches=2, param_bytes=4, reshard_after_forward=False)
+    assert step2["comm/dp/all_gather_bytes"] == kept["all_gather"]
+    assert kept["all_gather"] < fsdp_dp_bytes(params, world, micro_batches=2, param_bytes=4)["all_gather"]
 
 
 def torch_size(shape):

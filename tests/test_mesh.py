@@ -47,26 +47,6 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
     assert str(err.value) == line
 
 
-@pytest.mark.parametrize("options, named", [
-    (["optim=muon", "optim.muon.normuon=true"], "optim.muon.normuon=true with parallel.tp=2"),
-    (["optim=muon", "optim.muon.split_heads=true", "optim.muon.normuon=true"],
-     "optim.muon.split_heads=true with optim.muon.normuon=true"),
-    (["optim=muon", "optim.muon.cuda_graphs=true"], "optim.muon.cuda_graphs=true"),
-])
-def test_options_that_do_not_run_on_sharded_parameters_are_refused_in_one_line(options, named):
-    from tests.conftest import compose
-    from trainer.config import ConfigError, check_sharded_options, to_dataclass
-
-    cfg = to_dataclass(compose(options))
-    check_sharded_options(cfg, Layout(4, 1, 2))  # ZeRO-1: all of them run
-    sharded = Layout(1, 2, 2)
-    assert check_layout(4, {"tp": 2, "dp_replicate": 1, "dp_shard": 2}) == sharded
-    with pytest.raises(ConfigError) as err:
-        check_sharded_options(cfg, sharded)
-    assert str(err.value) == (f"{named} does not run with sharded parameters yet (parallel.dp_shard=2); "
-                              "use parallel.dp_shard=1 (ZeRO-1) for it")
-
-
 @pytest.mark.parametrize("args, line", [
     (["parallel.tp=2"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=2 does not multiply "
                         "out to a single process (started without torchrun)"),

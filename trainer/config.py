@@ -23,8 +23,6 @@ from optim.config import OptimConfig
 from optim.muon import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
 from optim.routing import ALL_KINDS
-from optim.sharded import unsupported_with_sharding
-from parallel.mesh import Layout
 
 
 class ConfigError(ValueError):
@@ -211,19 +209,6 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
-
-
-def check_sharded_options(cfg: TrainConfig, layout: Layout) -> None:
-    """Raise ConfigError naming the first option that does not run with FSDP2 yet, when the
-    layout shards the parameters (parallel.dp_shard > 1)."""
-    if layout.dp_shard == 1:
-        return
-    problem = unsupported_with_sharding(cfg.optim)
-    if problem is None and cfg.optim.name == "muon" and cfg.optim.muon.normuon and layout.tp > 1:
-        problem = f"optim.muon.normuon=true with parallel.tp={layout.tp}"
-    if problem is not None:
-        raise ConfigError(f"{problem} does not run with sharded parameters yet "
-                          f"(parallel.dp_shard={layout.dp_shard}); use parallel.dp_shard=1 (ZeRO-1) for it")
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -31,7 +31,7 @@ from optim.schedule import lr_at
 from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer import device as dev
 from trainer import run_env
-from trainer.config import TrainConfig, check_sharded_options, layout_keys
+from trainer.config import TrainConfig, layout_keys
 from parallel.fsdp import apply_fsdp, fsdp_mesh, reshard, sync_gradients
 from parallel.mesh import Mesh, init_mesh, new_host_group
 from trainer.precision import resolve_run_precisions
@@ -107,7 +107,6 @@ class Trainer:
         self.mesh = mesh if mesh is not None else init_mesh(
             layout_keys(cfg.parallel), self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
-        check_sharded_options(cfg, self.mesh.layout)
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh)
         # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
