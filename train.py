@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.sources import DataConfigError, check_data_config, check_data_packages
 from model.moe import check_moe_config
-from model.parallelize import check_tp_divisibility
+from model.parallelize import check_ep, check_tp_divisibility
 from trainer.checkpoint_files import CheckpointError
 from trainer.config import layout_keys, register_configs, to_dataclass, validate
 from trainer.device import DeviceError
@@ -98,7 +98,8 @@ def main(cfg: DictConfig) -> float:
         validate(typed)
         check_layout(world_size_from_env(), layout_keys(typed.parallel))
         check_moe_config(typed.model)
-        check_tp_divisibility(typed.model, typed.parallel.tp)
+        check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
+        check_ep(typed.model, typed.parallel.ep)
         check_data_config(typed.data)
         # Optional packages the config switches on: missing, they would stop the run only
         # after the corpus is built.

@@ -16,9 +16,11 @@ from parallel.tp_ops import Group, all_reduce
 
 class HealthStats:
     """`shard_group`: the group FSDP2 shards the parameters over (dp_shard), whose ranks each
-    hold some rows of every parameter; None without FSDP2."""
+    hold some rows of every parameter; None without FSDP2. `ep_group`: the ranks that hold
+    different experts (expert parallelism)."""
 
-    def __init__(self, model: torch.nn.Module, tp_group: Group = None, shard_group: Group = None) -> None:
+    def __init__(self, model: torch.nn.Module, tp_group: Group = None, shard_group: Group = None,
+                 ep_group: Group = None) -> None:
         by_kind: dict[str, list[torch.Tensor]] = defaultdict(list)
         for name, param in model.named_parameters():
             if param.requires_grad:
@@ -27,6 +29,7 @@ class HealthStats:
         self.params = [by_kind[k] for k in self.kinds]
         self.tp_group = tp_group
         self.shard_group = shard_group
+        self.ep_group = ep_group
         # The RMS is that of the logical (single-process) tensor: TP shards record the
         # logical element count, which excludes the vocabulary padding rows (always zero).
         self.numel = [sum(getattr(p, "logical_numel", p.numel()) for p in plist) for plist in self.params]
@@ -62,14 +65,17 @@ class HealthStats:
         return {f"optim/update_rms/{k}": v / lr for k, v in zip(self.kinds, values)}
 
     def _rms(self, tensor_lists: list[list[torch.Tensor]]) -> list[float]:
-        sharded, replicated = [], []
+        # Squares summed over the ranks that hold other parts: TP's shards, EP's experts.
+        split: dict[str, list[torch.Tensor]] = {"tp": [], "ep": [], "none": []}
         for plist, tensors in zip(self.params, tensor_lists):
             sq = [t.float().pow(2).sum() for t in tensors]
             zero = torch.zeros((), device=tensors[0].device)
-            is_sharded = [getattr(p, "tp_split_dim", None) is not None for p in plist]
-            sharded.append(sum((s for s, f in zip(sq, is_sharded) if f), zero))
-            replicated.append(sum((s for s, f in zip(sq, is_sharded) if not f), zero))
-        total = all_reduce(torch.stack(sharded), self.tp_group) + torch.stack(replicated)
+            where = ["tp" if getattr(p, "tp_split_dim", None) is not None
+                     else "ep" if getattr(p, "ep_split_dim", None) is not None else "none" for p in plist]
+            for key, sums in split.items():
+                sums.append(sum((s for s, w in zip(sq, where) if w == key), zero))
+        total = (all_reduce(torch.stack(split["tp"]), self.tp_group) + all_reduce(torch.stack(split["ep"]), self.ep_group)
+                 + torch.stack(split["none"]))
         total = all_reduce(total, self.shard_group)  # FSDP2: every rank holds other rows
         numel = torch.tensor(self.numel, dtype=torch.float32, device=total.device)
         return (total / numel).sqrt().tolist()

@@ -9,6 +9,8 @@
   matrix on its own in one batched call.
 - Dispatch is dropless: (token, expert) pairs are sorted by expert and each projection is
   one grouped matmul over the contiguous per-expert blocks, with no loop over tokens.
+- Under expert parallelism (parallel.ep > 1) each rank holds n_experts / ep whole experts: the
+  sorted pairs go to their experts' ranks and back through parallel/expert_parallel.py.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import Group, all_reduce, group_size
-from parallel.tp_ops import copy_to_tp, reduce_from_tp
+from parallel.comm import Group, all_reduce, group_rank, group_size
+from parallel.expert_parallel import combine, dispatch
+from parallel.tp_ops import copy_to_tp, reduce_from_tp, sum_over
 from model.config import ModelConfig
 
 
@@ -65,17 +68,26 @@ class Experts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        # Set by model/parallelize.py under EP x TP: the experts are whole on every TP rank but
+        # each TP rank runs a different part of the tokens, so their gradients are summed
+        # over TP (copy_to_tp on the weights).
+        self.grad_group: Group = None
 
-    def forward(self, x_sorted: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, ends: torch.Tensor, host_ends: Optional[list[int]] = None) -> torch.Tensor:
+        """`host_ends`: the boundaries `ends` already on the host (EP's dispatch has them)."""
         dtype = torch.get_autocast_dtype(x_sorted.device.type) if torch.is_autocast_enabled(x_sorted.device.type) else x_sorted.dtype
         x = x_sorted.to(dtype)
-        w_gate, w_up = self.w_gate.to(dtype).transpose(-2, -1), self.w_up.to(dtype).transpose(-2, -1)
+        w_gate, w_up, w_down = (copy_to_tp(w, self.grad_group).to(dtype).transpose(-2, -1)
+                                for w in (self.w_gate, self.w_up, self.w_down))
         # The sync-free path is torch._grouped_mm (bf16 on compute capability 9.0+ on CUDA);
         # the fallback reads the expert boundaries to the host once for all three products.
-        host_ends = None if grouped_mm_usable(x, w_gate) else ends.tolist()
+        if grouped_mm_usable(x, w_gate):
+            host_ends = None
+        elif host_ends is None:
+            host_ends = ends.tolist()
         gate = grouped_matmul(x, w_gate, ends, host_ends)
         up = grouped_matmul(x, w_up, ends, host_ends)
-        return grouped_matmul(F.silu(gate) * up, self.w_down.to(dtype).transpose(-2, -1), ends, host_ends)
+        return grouped_matmul(F.silu(gate) * up, w_down, ends, host_ends)
 
 
 class SharedExperts(nn.Module):
@@ -106,8 +118,13 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(cfg.n_experts), persistent=False)
         self.register_buffer("entropy_sum", torch.zeros(()), persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
-        # Set by model/parallelize.py: the experts' hidden units are then split over TP.
+        # Set by model/parallelize.py. tp_group: the experts' hidden units are split over TP
+        # (or, under EP, each TP rank sends its part of the tokens). ep_group: the experts are
+        # spread over these ranks. dp_group: the ranks of the global batch, over which the
+        # auxiliary loss's statistics are summed.
         self.tp_group: Group = None
+        self.ep_group: Group = None
+        self.dp_group: Group = None
 
     def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], gate values [N, k], scores [N, E]) for N tokens, in fp32."""
@@ -142,7 +159,10 @@ class MoE(nn.Module):
         experts = torch.arange(self.n_experts, device=ids.device)
         ends = torch.searchsorted(sorted_ids, experts, right=True)
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        y = self.experts(x_experts[token_of], ends)
+        if group_size(self.ep_group) > 1:
+            y = self._experts_over_ep(x_experts, token_of, ends)
+        else:
+            y = self.experts(x_experts[token_of], ends)
         # Back in (token, slot) order, each token's k expert outputs are weighted by their
         # gates and summed in fp32: a plain reduction (compile fuses it), with no
         # atomics, so the sum does not depend on the order threads add in.
@@ -160,12 +180,34 @@ class MoE(nn.Module):
                 self.aux_loss = self.balance_loss(scores, counts)
         return out.view(batch, seq, dim)
 
+    def _experts_over_ep(self, x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for the expert-sorted pairs, with the experts spread over the
+        EP group: this rank's pairs go to their experts' ranks, which run them, and come back.
+
+        Under TP, whose ranks route the same tokens, each TP rank sends a contiguous 1/tp of
+        the sorted pairs and returns zeros for the rest: the layer's all-reduce over TP sums
+        the parts. The part's per-expert counts come from clamping `ends`, on the device."""
+        pairs = token_of.numel()
+        per_rank = -(-pairs // group_size(self.tp_group))
+        lo = min(pairs, group_rank(self.tp_group) * per_rank)
+        hi = min(pairs, lo + per_rank)
+        part_ends = ends.clamp(lo, hi) - lo
+        part_counts = torch.diff(part_ends, prepend=part_ends.new_zeros(1))
+        x_local, local_ends, handle = dispatch(x[token_of[lo:hi]], part_counts, self.ep_group)
+        y = combine(self.experts(x_local, local_ends, handle.local_ends_host), handle)
+        return F.pad(y, (0, 0, lo, pairs - hi))
+
     def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Classic load-balancing loss: E * sum_e (fraction of routed slots to e) * (mean
-        normalised score of e); 1 when balanced."""
-        fraction = counts.float() / counts.sum()
+        normalised score of e); 1 when balanced. Over the global batch: both statistics are
+        summed over the data-parallel ranks, the scores' sum differentiably (its backward sums
+        the gradient too, which the data-parallel mean then divides back), so every rank
+        computes the loss, and the gradient, of one process holding the whole batch."""
+        counts = all_reduce(counts.float(), self.dp_group)
         probs = scores / scores.sum(-1, keepdim=True)
-        return self.aux_loss_coef * self.n_experts * (fraction * probs.mean(0)).sum()
+        tokens = probs.shape[0] * group_size(self.dp_group)
+        mean_probs = sum_over(probs.sum(0), self.dp_group) / tokens
+        return self.aux_loss_coef * self.n_experts * (counts / counts.sum() * mean_probs).sum()
 
     @torch.no_grad()
     def update_bias(self, total_load: torch.Tensor, rate: float | torch.Tensor) -> None:

@@ -3,15 +3,19 @@
 The model definition (model/gpt.py) knows nothing of parallelism; this file decides which
 layer is split how. Attention is split by heads (wq, wk, wv column-parallel, wo
 row-parallel), the MLP by hidden units (gate and up column-parallel, down row-parallel),
-the embedding and LM head by vocabulary. Norms are replicated.
+the embedding and LM head by vocabulary. Norms are replicated. Under expert parallelism
+(parallelize_moe) each rank keeps n_experts / ep whole experts, which TP leaves whole.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import GPT, RMSNorm
-from model.moe import Experts, MoE
+from model.moe import Experts, MoE, moe_layers
+from parallel.comm import group_rank
+from parallel.expert_parallel import check_expert_parallel
 from parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, shard
 from parallel.tp_ops import Group, copy_to_tp, group_size
 
@@ -55,14 +59,15 @@ class TPExperts(nn.Module):
         self.w_gate = shard(full.w_gate, 1, group)
         self.w_up = shard(full.w_up, 1, group)
         self.w_down = shard(full.w_down, 2, group)
+        self.grad_group: Group = None  # each rank's gradients are its own shard's, whole
 
     forward = Experts.forward
 
 
-def check_tp_divisibility(cfg: ModelConfig, tp: int) -> None:
+def check_tp_divisibility(cfg: ModelConfig, tp: int, split_experts: bool = True) -> None:
     """Raise ValueError naming the model key that TP does not divide."""
     keys = ["n_heads", "n_kv_heads", "ffn_hidden"]
-    if cfg.n_experts:
+    if cfg.n_experts and split_experts:
         keys.append("expert_hidden" if cfg.expert_hidden else "ffn_hidden")
     for key in keys:
         value = getattr(cfg, key)
@@ -81,17 +86,54 @@ TP_SPLIT_BY_SUFFIX: dict[str, int] = {
 }
 
 
-def tp_split_dim(name: str) -> int | None:
+def tp_split_dim(name: str, split_experts: bool = True) -> int | None:
+    if not split_experts and ".experts." in name:
+        return None  # under EP the experts stay whole
     return next((d for suffix, d in TP_SPLIT_BY_SUFFIX.items() if name.endswith(suffix)), None)
 
 
-def parallelize_tp(model: GPT, group: Group) -> GPT:
+def check_ep(cfg: ModelConfig, ep: int) -> None:
+    """Raise ValueError (one line, naming the keys) unless `ep` ranks can share the experts."""
+    if ep == 1:
+        return
+    if not cfg.n_experts:
+        raise ValueError(f"parallel.ep={ep} needs a MoE model (model.n_experts > 0); model.name={cfg.name} "
+                         "has no experts")
+    check_expert_parallel(cfg.n_experts, ep)
+
+
+def parallelize_moe(model: GPT, ep_group: Group, tp_group: Group, dp_group: Group) -> GPT:
+    """Every MoE layer's groups, after parallelize_tp: the data-parallel ranks (the auxiliary
+    loss's statistics are global), and under EP (an ep_group of more than one rank) this
+    rank's experts [ep_rank * E / ep, (ep_rank + 1) * E / ep), whole."""
+    ep = group_size(ep_group)
+    for _, layer in moe_layers(model):
+        layer.dp_group = dp_group
+        if ep == 1:
+            continue
+        check_expert_parallel(layer.n_experts, ep)
+        local = layer.n_experts // ep
+        first = group_rank(ep_group) * local
+        for name in ("w_gate", "w_up", "w_down"):
+            mine = nn.Parameter(getattr(layer.experts, name).detach()[first : first + local].clone())
+            mine.tp_split_dim = None
+            mine.ep_split_dim = 0  # the checkpoint places it at expert `first` of the logical stack
+            mine.logical_numel = getattr(layer.experts, name).numel()
+            setattr(layer.experts, name, mine)
+        layer.ep_group = ep_group
+        layer.experts.grad_group = tp_group  # each TP rank runs its part of the tokens
+    return model
+
+
+def parallelize_tp(model: GPT, group: Group, split_experts: bool = True) -> GPT:
+    """`split_experts`: split each routed expert's hidden units over TP; False (under EP)
+    keeps the experts whole."""
     tp = group_size(group)
     if tp == 1:
         for param in model.parameters():
             param.tp_split_dim = None
         return model
-    check_tp_divisibility(model.cfg, tp)
+    check_tp_divisibility(model.cfg, tp, split_experts)
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         block.attn_norm = TPInputNorm(block.attn_norm, group)
@@ -108,7 +150,11 @@ def parallelize_tp(model: GPT, group: Group) -> GPT:
             block.mlp_norm = ReplicatedNorm(block.mlp_norm, group)
             mlp.tp_group = group
             mlp.router.weight.tp_split_dim = None
-            mlp.experts = TPExperts(mlp.experts, group)
+            if split_experts:
+                mlp.experts = TPExperts(mlp.experts, group)
+            else:
+                for param in mlp.experts.parameters():
+                    param.tp_split_dim = None
             if mlp.shared is not None:
                 _split_swiglu(mlp.shared, group)
         else:

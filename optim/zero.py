@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.comm import all_gather_async, all_reduce, group_size, reduce_scatter_into
+from parallel.comm import all_gather_async, all_gather_object, all_reduce, group_size, reduce_scatter_into
 from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
@@ -51,8 +51,111 @@ def newton_schulz_shapes(
     return ((rows, cols),) * k
 
 
+class _Domain:
+    """Parameters that every rank of one data-parallel group holds alike, and their ZeRO-1
+    layout over that group: one flat buffer cut into a segment per rank, reduce-scattered
+    (gradients) and all-gathered (parameters) in `gather_buckets` buckets.
+
+    Without expert parallelism there is one domain, every parameter over the DP group. Under
+    EP the experts a rank holds are not those of the other ranks of its EP group: they form a
+    second domain over the ranks that hold the same experts (`edp`)."""
+
+    def __init__(self, specs: list[ParamSpec], group: Any, size: int, rank: int, buckets: int,
+                 device: torch.device) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.plan: ZeroPlan = build_plan(specs, size)
+        self.slices: list[Slice] = sorted(
+            (s for share in self.plan.ranks for s in share.muon + share.adamw), key=lambda s: s.offset
+        )
+        self.mine = self.plan.ranks[rank]
+        self.segment_start = rank * self.plan.segment
+        self.segment_grad = torch.zeros(self.plan.segment, device=device)
+        self.flat = torch.zeros(self.plan.total, device=device)  # gradients, then parameters, packed
+        # The parameter all-gather in buckets: (lo, hi) within a segment, the same on every
+        # rank; each bucket gathers into its own [size * (hi - lo)] buffer.
+        n_buckets = max(1, min(buckets, self.plan.segment))
+        cuts = [round(b * self.plan.segment / n_buckets) for b in range(n_buckets + 1)]
+        self.buckets = list(zip(cuts[:-1], cuts[1:]))
+        # A send and a receive buffer per bucket: an asynchronous all-gather reads its input
+        # until it completes, so buckets in flight cannot share one.
+        self.pieces = [torch.zeros(hi - lo, device=device) for lo, hi in self.buckets]
+        # The receive buffers reuse the gradient buffer, which is free once reduce-scattered.
+        self.gathered = [self.flat[size * lo : size * hi] for lo, hi in self.buckets]
+        self.owned: list[tuple[torch.Tensor, Slice]] = []  # (tensor stepped here, its slice)
+        # Each owned matrix is stepped before the first bucket it touches is gathered.
+        self.muon_by_bucket: list[list[torch.Tensor]] = [[] for _ in self.buckets]
+
+    def own_matrix(self, p: torch.Tensor, s: Slice) -> None:
+        self.owned.append((p, s))
+        local = s.offset - self.segment_start
+        first = next(b for b, (lo, hi) in enumerate(self.buckets) if local < hi)
+        self.muon_by_bucket[first].append(p)
+
+    def _slices_in(self, lo: int, hi: int) -> list[Slice]:
+        """The slices overlapping flat-buffer offsets [lo, hi)."""
+        return [s for s in self.slices if s.offset < hi and s.offset + s.length > lo]
+
+    def matching_views(
+        self, tensors: list[torch.Tensor], flat: torch.Tensor, lo: int, hi: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The flat buffer's elements [lo, hi) as matching pieces of `tensors` (one per
+        parameter of the model) and of `flat` (which holds elements lo..hi), for one for-each
+        copy either way instead of one copy per parameter."""
+        params, flats = [], []
+        for s in self._slices_in(lo, hi):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
+            params.append(tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset])
+            flats.append(flat[a - lo : b - lo])
+        return params, flats
+
+    def pack(self, tensors: list[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """out (fp32, hi - lo elements) <- the flat buffer's elements [lo, hi) taken from
+        `tensors` (one per parameter), zeros in the padding."""
+        out.zero_()
+        src, dst = self.matching_views(tensors, out, lo, hi)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return out
+
+    def reduce_grads(self, grads: list[torch.Tensor], divisor: int) -> None:
+        """Reduce-scatter the gradients (summed over the group, divided by `divisor`) and point
+        each owned tensor's .grad at its part of this rank's segment."""
+        flat = self.pack(grads, 0, self.plan.total, self.flat)
+        reduce_scatter_into(self.segment_grad, flat, self.group)
+        self.segment_grad.div_(divisor)
+        for tensor, s in self.owned:
+            local = s.offset - self.segment_start
+            tensor.grad = self.segment_grad[local : local + s.length].view(tensor.shape)
+
+    def step_and_gather(self, muon: Optional[Muon], params: list[torch.Tensor]) -> list[tuple]:
+        """Step this rank's Muon matrices bucket by bucket, launching each bucket's all-gather
+        as soon as its matrices are updated. Returns the gathers in flight."""
+        pending = []
+        segment = self.plan.segment
+        for (lo, hi), matrices, piece, gathered in zip(self.buckets, self.muon_by_bucket, self.pieces, self.gathered):
+            if muon is not None and matrices:
+                muon.step(only=matrices)
+            self.pack(params, self.segment_start + lo, self.segment_start + hi, piece)
+            pending.append((lo, hi, segment, gathered, all_gather_async(gathered, piece, self.group)))
+        return pending
+
+    def unpack(self, pending: list[tuple], targets: list[torch.Tensor]) -> None:
+        """Wait for the gathers and copy every rank's updated segments into the parameters."""
+        for lo, hi, segment, gathered, handle in pending:
+            handle.wait()
+            dst, src = [], []
+            for r in range(self.size):
+                params, pieces = self.matching_views(targets, gathered[r * (hi - lo) : (r + 1) * (hi - lo)],
+                                                     r * segment + lo, r * segment + hi)
+                dst += params
+                src += pieces
+            if dst:
+                torch._foreach_copy_(dst, src)
+
+
 class ZeroOptimizer(OptimizerSet):
-    """ZeRO-1 Muon + AdamW (optim=muon) or ZeRO-1 AdamW (optim=adamw) over the DP group."""
+    """ZeRO-1 Muon + AdamW (optim=muon) or ZeRO-1 AdamW (optim=adamw) over the DP group, and,
+    under expert parallelism, over the experts' own data-parallel group for the experts."""
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh,
                  compile_updates: bool = False) -> None:
@@ -73,44 +176,29 @@ class ZeroOptimizer(OptimizerSet):
                 if is_muon else ()
             )
             specs.append(ParamSpec(index=i, numel=p.numel(), muon_matrices=matrices))
-        self.plan: ZeroPlan = build_plan(specs, mesh.dp)
-        self.slices: list[Slice] = sorted(
-            (s for share in self.plan.ranks for s in share.muon + share.adamw), key=lambda s: s.offset
-        )
-        mine = self.plan.ranks[mesh.dp_rank]
-        self.segment_start = mesh.dp_rank * self.plan.segment
         device = self.params[0].device
-        self.segment_grad = torch.zeros(self.plan.segment, device=device)
-        self.flat = torch.zeros(self.plan.total, device=device)  # gradients, then parameters, packed
-        # The parameter all-gather in buckets: (lo, hi) within a segment, the same on every
-        # rank; each bucket gathers into its own [dp * (hi - lo)] buffer.
-        n_buckets = max(1, min(cfg.gather_buckets, self.plan.segment))
-        cuts = [round(b * self.plan.segment / n_buckets) for b in range(n_buckets + 1)]
-        self._buckets = list(zip(cuts[:-1], cuts[1:]))
-        # A send and a receive buffer per bucket: an asynchronous all-gather reads its input
-        # until it completes, so buckets in flight cannot share one.
-        self._pieces = [torch.zeros(hi - lo, device=device) for lo, hi in self._buckets]
-        # The receive buffers reuse the gradient buffer, which is free once reduce-scattered.
-        self._gathered = [self.flat[mesh.dp * lo : mesh.dp * hi] for lo, hi in self._buckets]
+        experts = [getattr(p, "ep_split_dim", None) is not None for p in self.params]
+        self.domains = [_Domain([s for s, e in zip(specs, experts) if not e], mesh.dp_group, mesh.dp, mesh.dp_rank,
+                                cfg.gather_buckets, device)]
+        if any(experts):  # EP: each rank's experts over the ranks that hold the same ones
+            edp = mesh.dp // mesh.ep
+            self.domains.append(_Domain([s for s, e in zip(specs, experts) if e], mesh.edp_group, edp,
+                                        mesh.dp_rank // mesh.ep, cfg.gather_buckets, device))
+        self.plan = self.domains[0].plan
 
         optimizers: dict[str, torch.optim.Optimizer] = {}
-        self._owned: list[tuple[torch.Tensor, Slice]] = []  # (tensor stepped here, its slice)
         muon_groups: dict[str, list[torch.Tensor]] = {}
-        # Each owned matrix is stepped before the first bucket it touches is gathered.
-        self._muon_by_bucket: list[list[torch.Tensor]] = [[] for _ in self._buckets]
-        for s in mine.muon:
-            p = self.params[s.param]
-            muon_groups.setdefault(self.kinds[s.param], []).append(p)
-            self._owned.append((p, s))
-            local = s.offset - self.segment_start
-            first = next(b for b, (lo, hi) in enumerate(self._buckets) if local < hi)
-            self._muon_by_bucket[first].append(p)
         adamw_groups: dict[str, list[torch.Tensor]] = {}
-        for s in mine.adamw:
-            # A detached view into the parameter's storage: AdamW updates it in place.
-            piece = self.params[s.param].detach().view(-1)[s.start : s.start + s.length]
-            adamw_groups.setdefault(self.kinds[s.param], []).append(piece)
-            self._owned.append((piece, s))
+        for domain in self.domains:
+            for s in domain.mine.muon:
+                p = self.params[s.param]
+                muon_groups.setdefault(self.kinds[s.param], []).append(p)
+                domain.own_matrix(p, s)
+            for s in domain.mine.adamw:
+                # A detached view into the parameter's storage: AdamW updates it in place.
+                piece = self.params[s.param].detach().view(-1)[s.start : s.start + s.length]
+                adamw_groups.setdefault(self.kinds[s.param], []).append(piece)
+                domain.owned.append((piece, s))
 
         def wd(kind: str) -> float:
             return cfg.weight_decay_overrides.get(kind, cfg.weight_decay)
@@ -134,59 +222,35 @@ class ZeroOptimizer(OptimizerSet):
                       for kind, plist in adamw_groups.items()]
             optimizers["adamw"] = build_adamw(groups, cfg)
         super().__init__(optimizers)
+        self._owned = [entry for domain in self.domains for entry in domain.owned]
         # Which owned slices belong to TP-sharded parameters (their squares sum over TP).
         self._sharded = [getattr(self.params[s.param], "tp_split_dim", None) is not None for _, s in self._owned]
         if mesh.is_main:
-            log.info(self.plan.describe())
-
-    def _slices_in(self, lo: int, hi: int) -> list[Slice]:
-        """The slices overlapping flat-buffer offsets [lo, hi)."""
-        return [s for s in self.slices if s.offset < hi and s.offset + s.length > lo]
-
-    def _matching_views(
-        self, tensors: list[torch.Tensor], flat: torch.Tensor, lo: int, hi: int
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The flat buffer's elements [lo, hi) as matching pieces of `tensors` (one per
-        parameter) and of `flat` (which holds elements lo..hi), for one for-each copy either
-        way instead of one copy per parameter."""
-        params, flats = [], []
-        for s in self._slices_in(lo, hi):
-            a, b = max(lo, s.offset), min(hi, s.offset + s.length)
-            params.append(tensors[s.param].reshape(-1)[s.start + a - s.offset : s.start + b - s.offset])
-            flats.append(flat[a - lo : b - lo])
-        return params, flats
-
-    def _pack(self, tensors: list[torch.Tensor], lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        """out (fp32, hi - lo elements) <- the flat buffer's elements [lo, hi) taken from
-        `tensors` (one per parameter), zeros in the padding."""
-        out.zero_()
-        src, dst = self._matching_views(tensors, out, lo, hi)
-        if dst:
-            torch._foreach_copy_(dst, src)
-        return out
+            for domain in self.domains:
+                log.info(domain.plan.describe())
 
     @torch.no_grad()
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
-        """Reduce-scatter the gradients over DP, then clip them. Returns the global norm."""
+        """Reduce-scatter the gradients over DP (the experts' over their own DP group), then
+        clip them. Returns the global norm."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._pack(grads, 0, self.plan.total, self.flat)
-        reduce_scatter_into(self.segment_grad, flat, self.mesh.dp_group)
-        self.segment_grad.div_(self.mesh.dp)
         for p in self.params:
-            p.grad = None
-        # Point each owned tensor's .grad at its part of the reduced segment.
-        for tensor, s in self._owned:
-            local = s.offset - self.segment_start
-            tensor.grad = self.segment_grad[local : local + s.length].view(tensor.shape)
-
-        device = self.segment_grad.device
+            p.grad = None  # an owned Muon matrix gets its reduced part below
+        for domain in self.domains:
+            # Over the global batch: an expert's gradient holds its EP group's tokens already,
+            # so the sum over its group covers every DP rank's tokens once.
+            domain.reduce_grads(grads, self.mesh.dp)
+        # Every rank owns distinct elements (an expert domain's ranks hold distinct experts
+        # across EP and distinct slices within edp), so one sum over DP counts each once.
+        device = self.params[0].device
         sq_sharded = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if f], device)
         sq_replicated = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if not f], device)
         both = all_reduce(torch.stack([sq_sharded, sq_replicated]), self.mesh.dp_group)
         norm = (all_reduce(both[0:1], self.mesh.tp_group)[0] + both[1]).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.segment_grad.mul_(scale)
+            for domain in self.domains:
+                domain.segment_grad.mul_(scale)
         return norm
 
     @torch.no_grad()
@@ -202,28 +266,14 @@ class ZeroOptimizer(OptimizerSet):
         same flag (the norm is global), so the gathered parameters agree either way.
         """
         muon = self.optimizers.get("muon")
-        dp, segment = self.mesh.dp, self.plan.segment
-        pending = []
         with skip_if(self.optimizers.values(), found_inf):
             if "adamw" in self.optimizers:
                 self.optimizers["adamw"].step()
-            for (lo, hi), matrices, piece, gathered in zip(self._buckets, self._muon_by_bucket, self._pieces, self._gathered):
-                if muon is not None and matrices:
-                    muon.step(only=matrices)
-                self._pack(self.params, self.segment_start + lo, self.segment_start + hi, piece)
-                pending.append((lo, hi, gathered, all_gather_async(gathered, piece, self.mesh.dp_group)))
+            pending = [domain.step_and_gather(muon, self.params) for domain in self.domains]
         # view, not reshape: a parameter that could only be copied would silently keep its values.
         targets = [p.data.view(-1) for p in self.params]
-        for lo, hi, gathered, handle in pending:
-            handle.wait()
-            dst, src = [], []
-            for r in range(dp):
-                params, pieces = self._matching_views(targets, gathered[r * (hi - lo) : (r + 1) * (hi - lo)],
-                                              r * segment + lo, r * segment + hi)
-                dst += params
-                src += pieces
-            if dst:
-                torch._foreach_copy_(dst, src)
+        for domain, gathers in zip(self.domains, pending):
+            domain.unpack(gathers, targets)
 
     def owned_pieces(self, model: torch.nn.Module) -> list[OwnedPiece]:
         """Whole Muon matrices and flat AdamW pieces, as the ZeRO-1 plan gave this rank."""
@@ -232,38 +282,36 @@ class ZeroOptimizer(OptimizerSet):
                 for tensor, s in self._owned]
 
     def local_state(self, model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        """Per-parameter state, whole over DP: each rank contributes what it owns (zeros
-        elsewhere) and one sum over DP assembles it. Collective."""
+        """Per-parameter state, whole over DP (the experts over their own DP group): each rank
+        contributes what it owns (zeros elsewhere) and one sum over the group assembles it.
+        Collective."""
         names = [n for n, p in model.named_parameters() if p.requires_grad]
-        slots: dict[str, dict[str, torch.Tensor]] = {}
-        for tensor, s in self._owned:
-            for opt_key, opt in self.optimizers.items():
-                if not opt.state.get(tensor):
-                    continue
-                p, name = self.params[s.param], names[s.param]
-                entry = slots.setdefault(name, {})
-                for key, value in self.checkpoint_state(opt_key, tensor).items():
-                    if key == "step":
-                        entry["step"] = value.detach().clone().float()
-                        continue
-                    full = entry.setdefault(key, torch.zeros(p.numel(), device=p.device))
-                    full[s.start : s.start + s.length] = value.reshape(-1)
-        # Agree on which entries exist, then assemble them with one all-reduce per key.
-        present = [None] * self.mesh.dp
-        wanted = sorted((n, k) for n, e in slots.items() for k in e)
-        if self.mesh.dp > 1:
-            torch.distributed.all_gather_object(present, wanted, group=self.mesh.dp_group)
-        else:
-            present = [wanted]
         out = {}
-        for name, key in sorted({item for items in present for item in items}):
-            p = self.params[names.index(name)]
-            value = slots.get(name, {}).get(key)
-            if value is None:
-                value = torch.zeros((), device=p.device) if key == "step" else torch.zeros(p.numel(), device=p.device)
-            op = torch.distributed.ReduceOp.MAX if key == "step" else torch.distributed.ReduceOp.SUM
-            value = all_reduce(value, self.mesh.dp_group, op=op)
-            out.setdefault(name, (p, {}))[1][key] = value if key == "step" else value.view(p.shape)
+        for domain in self.domains:
+            slots: dict[str, dict[str, torch.Tensor]] = {}
+            for tensor, s in domain.owned:
+                for opt_key, opt in self.optimizers.items():
+                    if not opt.state.get(tensor):
+                        continue
+                    p, name = self.params[s.param], names[s.param]
+                    entry = slots.setdefault(name, {})
+                    for key, value in self.checkpoint_state(opt_key, tensor).items():
+                        if key == "step":
+                            entry["step"] = value.detach().clone().float()
+                            continue
+                        full = entry.setdefault(key, torch.zeros(p.numel(), device=p.device))
+                        full[s.start : s.start + s.length] = value.reshape(-1)
+            # Agree on which entries exist, then assemble them with one all-reduce per key.
+            wanted = sorted((n, k) for n, e in slots.items() for k in e)
+            present = all_gather_object(wanted, domain.group, "checkpoint")
+            for name, key in sorted({item for items in present for item in items}):
+                p = self.params[names.index(name)]
+                value = slots.get(name, {}).get(key)
+                if value is None:
+                    value = torch.zeros((), device=p.device) if key == "step" else torch.zeros(p.numel(), device=p.device)
+                op = torch.distributed.ReduceOp.MAX if key == "step" else torch.distributed.ReduceOp.SUM
+                value = all_reduce(value, domain.group, op=op, label="checkpoint")
+                out.setdefault(name, (p, {}))[1][key] = value if key == "step" else value.view(p.shape)
         return out
 
     def load_local_state(self, model: torch.nn.Module, local: dict[str, dict[str, torch.Tensor]]) -> None:

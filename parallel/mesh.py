@@ -10,6 +10,12 @@ names without changing the order of the others.
 
 `dp` is the flattened (dp_replicate, dp_shard) dimension: the group that averages gradients
 and owns ZeRO-1's optimizer state.
+
+Expert parallelism reuses the data-parallel ranks, as Megatron-Core and torchtitan do:
+`parallel.ep=E` unflattens `dp_replicate` into (`edp`, `ep`), EP innermost, so an EP group is
+E consecutive data-parallel ranks (the same TP rank of each), which hold different experts
+and see different tokens. The ranks of an `edp` group hold the same experts: expert
+parameters are data-parallel over `edp` only.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1  # carved out of the data-parallel ranks, not a factor of the world size
 
     @property
     def dp(self) -> int:
@@ -58,8 +65,9 @@ class Layout:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def describe(self) -> str:
-        """ "dp_replicate 2 x dp_shard 1 x tp 2" """
-        return " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape))
+        """ "dp_replicate 2 x dp_shard 1 x tp 2", and the EP groups where there are some """
+        dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape))
+        return dims if self.ep == 1 else f"{dims}, ep {self.ep} over the data-parallel ranks"
 
 
 def _world_words(world_size: int) -> str:
@@ -68,12 +76,15 @@ def _world_words(world_size: int) -> str:
     return f"{world_size} processes (the number torchrun started)"
 
 
-def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shard: int = 1) -> Layout:
+def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shard: int = 1, ep: int = 1) -> Layout:
     """The layout `parallel.*` asks for on `world_size` ranks; -1 means "the rest of the world".
 
     Raises ValueError, in one line naming the keys, for a size below 1 (other than -1), more
-    than one -1, or sizes that do not multiply out to the world size.
+    than one -1, sizes that do not multiply out to the world size, or an `ep` that does not
+    divide the data-parallel ranks.
     """
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"parallel.ep={ep} must be a positive number of ranks")
     sizes = {"parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard, "parallel.tp": tp}
     for key, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
@@ -92,8 +103,15 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
         raise ValueError(f"{asked} does not multiply out to {_world_words(world_size)}")
     if rest:
         sizes[rest[0]] = world_size // given
-    return Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
-                  tp=sizes["parallel.tp"])
+    layout = Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
+                    tp=sizes["parallel.tp"], ep=ep)
+    if ep > 1 and layout.dp_shard > 1:
+        raise ValueError(f"parallel.ep={ep} with parallel.dp_shard={layout.dp_shard}: expert parallelism runs "
+                         "with ZeRO-1 (parallel.dp_shard=1) so far")
+    if layout.dp_replicate % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide the {layout.dp_replicate} data-parallel ranks "
+                         f"(parallel.dp_replicate x parallel.dp_shard on {_world_words(world_size)})")
+    return layout
 
 
 def check_layout(world_size: int, layout_keys: dict[str, int]) -> Layout:
@@ -111,6 +129,10 @@ class Mesh:
     layout: Layout = field(default_factory=Layout)
     tp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None  # dp_replicate x dp_shard, flattened
+    # Expert parallelism (parallel.ep > 1): the ranks holding different experts, and those
+    # holding the same ones (the experts' data-parallel group).
+    ep_group: Optional[dist.ProcessGroup] = None
+    edp_group: Optional[dist.ProcessGroup] = None
     # All ranks over gloo, for agreeing on host-side flags (preemption) without making the
     # host wait for the GPU; None where the default group already runs on the host (gloo).
     host_group: Optional[dist.ProcessGroup] = None
@@ -131,6 +153,15 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.tp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its EP group: it holds experts [ep_rank * E / ep, ...)."""
+        return self.dp_rank % self.ep
 
     @property
     def is_main(self) -> bool:
@@ -178,15 +209,15 @@ def init_mesh(layout_keys: dict[str, int], device: torch.device, backend: str = 
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard)
+    return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard, ep=layout.ep)
 
 
-def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1) -> Mesh:
+def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1, ep: int = 1) -> Mesh:
     """The mesh over an initialised default group, `dp_replicate` the rest of the world.
     Every rank must call this (group creation is collective). `timeout` bounds the host
     group's collectives like the default group's."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard)
+    layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard, ep=ep)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     tp_group = device_mesh.get_group("tp")
@@ -197,9 +228,15 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
     label_group(device_mesh.get_group("dp_shard"), "dp_shard")
     label_group(tp_group, "tp")
     label_group(dp_group, "dp")
+    ep_group = edp_group = None
+    if layout.ep > 1:
+        experts = device_mesh._unflatten("dp_replicate", (layout.dp_replicate // layout.ep, layout.ep), ("edp", "ep"))
+        ep_group, edp_group = experts.get_group("ep"), experts.get_group("edp")
+        label_group(edp_group, "edp")
+        label_group(ep_group, "ep")
     host_group = new_host_group("host", timeout) if dist.get_backend() != "gloo" else None
     return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
-                host_group=host_group, device_mesh=device_mesh)
+                ep_group=ep_group, edp_group=edp_group, host_group=host_group, device_mesh=device_mesh)
 
 
 def new_host_group(label: str, timeout: Optional[datetime.timedelta] = None) -> dist.ProcessGroup:
@@ -215,7 +252,8 @@ def new_host_group(label: str, timeout: Optional[datetime.timedelta] = None) -> 
 def mesh_groups(mesh: Mesh) -> list[dist.ProcessGroup]:
     """Every distinct process group the mesh made (not the default group), each once."""
     groups: list[dist.ProcessGroup] = []
-    candidates: list[Optional[dist.ProcessGroup]] = [mesh.tp_group, mesh.dp_group, mesh.host_group]
+    candidates: list[Optional[dist.ProcessGroup]] = [mesh.tp_group, mesh.dp_group, mesh.ep_group, mesh.edp_group,
+                                                     mesh.host_group]
     if mesh.device_mesh is not None:
         candidates += mesh.device_mesh.get_all_groups()
     for group in candidates:

@@ -79,6 +79,25 @@ class _SplitToTP(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group), None, None
 
 
+class _SumOver(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: all-reduce (sum) of the gradient. For a statistic
+    summed over ranks that every rank then uses in the same loss: each rank's input receives
+    the gradient of every rank's copy of that loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def sum_over(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return _SumOver.apply(x, group) if group_size(group) > 1 else x
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
 

@@ -116,12 +116,12 @@ def test_flat_ranges_cut_into_rectangles_that_cover_exactly_the_range(shape):
 
 
 def test_tp_placement_drops_the_vocabulary_padding():
-    from trainer.checkpoint_shards import TPPlacement, pieces_of
+    from trainer.checkpoint_shards import Placement, pieces_of
 
     # 10 logical rows padded to 12, TP 2: rank 1 holds rows 6..11, of which 10 and 11 are padding.
-    placement = TPPlacement(split_dim=0, rank=1, rows=10)
+    placement = Placement(split_dim=0, rank=1, rows=10, parts=2)
     local = torch.arange(18.).view(6, 3)
-    assert placement.logical_shape((6, 3), tp=2) == (10, 3)
+    assert placement.logical_shape((6, 3)) == (10, 3)
     pieces = pieces_of(local, (6, 3), 0, placement)
     assert [(o, tuple(t.shape)) for o, t in pieces] == [((6, 0), (4, 3))]
     assert torch.equal(pieces[0][1], local[:4])
@@ -201,7 +201,7 @@ def _layout_worker(rank: int, world: int, run_dir: str, overrides: list[str], mo
     from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(COMMON + overrides))
-    mesh = build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard)
+    mesh = build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep)
     if mode == "interrupt":
         interrupted(Path(run_dir), overrides, mesh)
     else:

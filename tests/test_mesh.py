@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from parallel.mesh import MESH_DIMS, Layout, check_layout, resolve_layout
+from parallel.mesh import MESH_DIMS, Layout, resolve_layout
 from tests.conftest import REPO
 from tests.distributed import run_distributed
 
@@ -40,6 +40,11 @@ def test_minus_one_is_the_rest_of_the_world(world, keys, layout):
     (4, {"dp_shard": -2}, "parallel.dp_shard=-2 must be a positive number of ranks, or -1 for the rest of the world"),
     (4, {"tp": -1}, "parallel.tp=-1: TP needs an explicit size (-1, the rest of the world, is for the "
                     "parallel.dp_* keys)"),
+    (8, {"tp": 2, "ep": 3}, "parallel.ep=3 does not divide the 4 data-parallel ranks (parallel.dp_replicate x "
+                            "parallel.dp_shard on 8 processes (the number torchrun started))"),
+    (4, {"dp_shard": 2, "ep": 2}, "parallel.ep=2 with parallel.dp_shard=2: expert parallelism runs with ZeRO-1 "
+                                  "(parallel.dp_shard=1) so far"),
+    (4, {"ep": 0}, "parallel.ep=0 must be a positive number of ranks"),
 ])
 def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, line):
     with pytest.raises(ValueError) as err:
@@ -53,6 +58,8 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
     (["parallel.dp_shard=0"], "error: parallel.dp_shard must be >= 1, got 0"),
     (["parallel.dp_shard=-1"], "error: parallel.dp_replicate=-1 and parallel.dp_shard=-1: at most one size can be "
                                "the rest of the world"),
+    (["parallel.ep=2"], "error: parallel.ep=2 does not divide the 1 data-parallel ranks (parallel.dp_replicate x "
+                        "parallel.dp_shard on a single process (started without torchrun))"),
 ])
 def test_train_py_stops_a_bad_layout_at_start_up(tmp_path, args, line):
     proc = subprocess.run(
@@ -113,3 +120,31 @@ def test_one_named_mesh_gives_contiguous_tp_and_strided_dp_groups():
         }
         assert r["flag_bytes"] == 4
         assert r["released"] and r["world_alive"]
+
+
+def _ep_mesh_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from parallel import comm
+    from parallel.mesh import build_mesh
+
+    mesh = build_mesh(2, ep=2)  # dp 4 (ep 2 x edp 2) x tp 2
+    return {"ep_ranks": dist.get_process_group_ranks(mesh.ep_group),
+            "edp_ranks": dist.get_process_group_ranks(mesh.edp_group),
+            "labels": (comm.group_label(mesh.ep_group), comm.group_label(mesh.edp_group)),
+            "ep_rank": mesh.ep_rank, "describe": mesh.layout.describe()}
+
+
+def test_expert_parallel_groups_are_consecutive_data_parallel_ranks():
+    """parallel.ep unflattens the data-parallel ranks into (edp, ep), EP innermost: an EP group
+    is ep consecutive DP ranks at one TP rank (neighbours, so the all-to-all stays close), and
+    an edp group the ranks that hold the same experts."""
+    results = run_distributed(_ep_mesh_worker, 8)
+    for rank, r in enumerate(results):
+        dp_rank, tp_rank = rank // 2, rank % 2
+        first = dp_rank // 2 * 2  # the EP group's first DP rank
+        assert r["ep_ranks"] == [first * 2 + tp_rank, (first + 1) * 2 + tp_rank]
+        assert r["edp_ranks"] == [(dp_rank % 2) * 2 + tp_rank, (dp_rank % 2 + 2) * 2 + tp_rank]
+        assert r["ep_rank"] == dp_rank % 2
+        assert r["labels"] == ("ep", "edp")
+        assert r["describe"] == "dp_replicate 4 x dp_shard 1 x tp 2, ep 2 over the data-parallel ranks"

@@ -200,3 +200,16 @@ def test_compiled_fp32_moe_layer_equals_eager():
     layer = GPT(CFG).blocks[1].mlp
     x = torch.randn(2, 8, CFG.d_model)
     torch.testing.assert_close(torch.compile(layer)(x), layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_experts, ep, line", [
+    (4, 3, "model.n_experts=4 is not divisible by parallel.ep=3: every EP rank must hold the same number of experts"),
+    (0, 2, "parallel.ep=2 needs a MoE model (model.n_experts > 0); model.name=x has no experts"),
+])
+def test_expert_parallelism_that_does_not_fit_the_model_is_one_line(n_experts, ep, line):
+    from model.parallelize import check_ep
+
+    with pytest.raises(ValueError) as err:
+        check_ep(replace(CFG, name="x", n_experts=n_experts, top_k=min(CFG.top_k, max(1, n_experts))), ep)
+    assert str(err.value) == line
+    check_ep(replace(CFG, n_experts=4), 2)  # fits

@@ -147,7 +147,7 @@ def test_the_run_records_its_corpus_id_and_environment(adamw_run):
     assert env["git"]["commit"] == head
     assert isinstance(env["git"]["dirty"], bool) if head else env["git"]["dirty"] is None
     assert env["python"] == platform.python_version() and env["torch"] and env["device_type"] == "cpu"
-    assert env["world_size"] == 1 and env["layout"] == {"dp": 1, "tp": 1, "backend": "none", "dp_shard": 1}
+    assert env["world_size"] == 1 and env["layout"] == {"dp": 1, "tp": 1, "backend": "none", "dp_shard": 1, "ep": 1}
     assert set(env["corpus"]["splits"]) == {"train", "val", "ood_prose"}
     assert all(split["tokens"] > 1000 and len(split["sha256"]) == 64 for split in env["corpus"]["splits"].values())
     assert [m["pinned"] for m in env["corpus"]["manifest"]] == [True, True]

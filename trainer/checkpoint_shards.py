@@ -7,6 +7,7 @@ holds is seldom one rectangle of the logical tensor:
 
 - a TP shard is a block along the split dimension, and the shard of a vocabulary-padded
   matrix (embedding, head) ends in padding rows that the logical tensor does not have;
+- under expert parallelism a rank's expert stack is a block of whole experts (dim 0);
 - a ZeRO-1 AdamW piece is a flat range of the TP-local tensor, which in row-major order is a
   few rectangles (a partial first row, whole rows, a partial last row; the same one level
   down for 3-D expert stacks);
@@ -64,18 +65,20 @@ def flat_offset(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
 
 
 @dataclass(frozen=True)
-class TPPlacement:
-    """Where a rank's TP-local tensor sits in the logical one: shifted by `rank * local size`
-    along `split_dim` (None: replicated), and, along dim 0, cut at `rows` (vocabulary padding)."""
+class Placement:
+    """Where a rank's local tensor (a TP shard, or EP's block of experts) sits in the logical
+    one: the `parts` ranks split it along `split_dim` (None: replicated), this one holding
+    block `rank`; along dim 0 it is cut at `rows` (vocabulary padding)."""
 
     split_dim: Optional[int]
     rank: int
     rows: int
+    parts: int = 1
 
-    def logical_shape(self, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    def logical_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = list(local_shape)
         if self.split_dim is not None:
-            shape[self.split_dim] *= tp
+            shape[self.split_dim] *= self.parts
         if shape:
             shape[0] = self.rows
         return tuple(shape)
@@ -127,7 +130,7 @@ class Chunks:
 
 
 def pieces_of(flat: torch.Tensor, local_shape: tuple[int, ...], start: int,
-              placement: TPPlacement) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+              placement: Placement) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """`flat` holds elements [start, start + numel) of a TP-local tensor of `local_shape`:
     its rectangles, each as (logical offsets, a view of `flat` in the rectangle's shape)."""
     flat = flat.reshape(-1)

@@ -16,7 +16,7 @@ from parallel.fsdp import is_sharded, local_rows
 from parallel.comm import all_gather_object, all_reduce, group_rank, group_size, world
 from parallel.tp_ops import gather_from_tp
 from trainer.checkpoint_files import FORMAT_VERSION, CheckpointError
-from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks, TPPlacement, pieces_of
+from trainer.checkpoint_shards import ChunkLoadPlanner, Chunks, Placement, pieces_of
 
 
 def to_logical(local: torch.Tensor, split_dim: Optional[int], rows: int, tp_group) -> torch.Tensor:
@@ -88,6 +88,8 @@ def logical_state(trainer) -> dict[str, Any]:
 def _logical_rows(trainer, name: str, param: torch.Tensor) -> int:
     if name in ("embed.weight", "head.weight"):
         return trainer.model_cfg.vocab_size  # TP pads these rows; the padding is not saved
+    if getattr(param, "ep_split_dim", None) is not None:
+        return param.shape[0] * trainer.mesh.ep  # the experts of every EP rank
     split = getattr(param, "tp_split_dim", None)
     return param.shape[0] * (group_size(trainer.mesh.tp_group) if split == 0 else 1)
 
@@ -129,10 +131,16 @@ def _rng_from_json(obj: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _placements(trainer) -> dict[str, TPPlacement]:
-    tp_rank = group_rank(trainer.mesh.tp_group)
-    return {n: TPPlacement(getattr(p, "tp_split_dim", None), tp_rank, _logical_rows(trainer, n, p))
-            for n, p in trainer.model.named_parameters()}
+def _placements(trainer) -> dict[str, Placement]:
+    mesh = trainer.mesh
+    tp_rank, tp = group_rank(mesh.tp_group), group_size(mesh.tp_group)
+    out = {}
+    for n, p in trainer.model.named_parameters():
+        if getattr(p, "ep_split_dim", None) is not None:  # this rank's block of whole experts
+            out[n] = Placement(p.ep_split_dim, mesh.ep_rank, _logical_rows(trainer, n, p), mesh.ep)
+        else:
+            out[n] = Placement(getattr(p, "tp_split_dim", None), tp_rank, _logical_rows(trainer, n, p), tp)
+    return out
 
 
 def _state_key(name: str, key: str) -> str:
@@ -143,7 +151,6 @@ def model_chunks(trainer) -> dict[str, Chunks]:
     """This rank's pieces of every parameter and persistent buffer, as views of the live
     tensors: what a save writes from, and what a load fills in place."""
     model = trainer.model
-    tp = group_size(trainer.mesh.tp_group)
     params = dict(model.named_parameters())
     placements = _placements(trainer)
     out: dict[str, Chunks] = {}
@@ -152,7 +159,7 @@ def model_chunks(trainer) -> dict[str, Chunks]:
         # Under FSDP2 this rank holds rows of the TP-local tensor: a contiguous range of it.
         local, row = local_rows(p.detach())
         start = row * math.prod(p.shape[1:])
-        out[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape), tp),
+        out[f"model/{name}"] = Chunks(placement.logical_shape(tuple(p.shape)),
                                       pieces_of(local, tuple(p.shape), start, placement))
     for name, buf in model.state_dict().items():
         if name not in params:  # persistent buffers (MoE expert biases), the same on every rank
@@ -164,7 +171,6 @@ def sharded_state(trainer) -> dict[str, Chunks]:
     """This rank's pieces of every logical tensor, as views of the live tensors. DP replicas
     offer the same pieces; DCP writes each once."""
     model = trainer.model
-    tp = group_size(trainer.mesh.tp_group)
     params = dict(model.named_parameters())
     placements = _placements(trainer)
     out = model_chunks(trainer)
@@ -175,7 +181,7 @@ def sharded_state(trainer) -> dict[str, Chunks]:
                 out[_state_key(piece.name, key)] = Chunks((), [((), value.detach())])
                 continue
             chunks = out.setdefault(_state_key(piece.name, key),
-                                    Chunks(placement.logical_shape(tuple(p.shape), tp), []))
+                                    Chunks(placement.logical_shape(tuple(p.shape)), []))
             chunks.pieces += pieces_of(value.detach(), tuple(p.shape), piece.start, placement)
     return out
 
@@ -263,10 +269,11 @@ def _restore_file(trainer, state: dict[str, Any], expected: dict[str, tuple[int,
     """A single-file checkpoint: full logical tensors, cut to this rank's layout."""
     model, mesh = trainer.model, trainer.mesh
     params = dict(model.named_parameters())
-    if any(is_sharded(p) for p in params.values()):
+    if any(is_sharded(p) for p in params.values()) or mesh.ep > 1:
         raise CheckpointError(f"{state.get('path', 'checkpoint')}: a single-file checkpoint (the format before "
-                              "sharded ones) does not resume with parallel.dp_shard > 1: resume it at "
-                              "parallel.dp_shard=1 once, and the checkpoints it saves resume at any layout")
+                              "sharded ones) does not resume with parallel.dp_shard > 1 or parallel.ep > 1: resume "
+                              "it at parallel.dp_shard=1 and parallel.ep=1 once, and the checkpoints it saves "
+                              "resume at any layout")
     _check_fits(trainer, expected, {n: tuple(t.shape) for n, t in state["params"].items()}, set(state["buffers"]))
     with torch.no_grad():
         for n, p in params.items():

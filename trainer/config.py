@@ -114,6 +114,11 @@ class ParallelConfig:
     dp_replicate: int = -1
     dp_shard: int = 1
     tp: int = 1
+    # Expert parallelism for MoE models: the experts are spread over groups of `ep`
+    # data-parallel ranks (each rank holds n_experts / ep of them, whole) and every routed token
+    # goes to its expert's rank and back by all-to-all. It must divide the data-parallel ranks
+    # and model.n_experts; ZeRO-1 only (dp_shard = 1) so far. See docs/moe.md.
+    ep: int = 1
     # FSDP2 (dp_shard > 1): free each block's gathered parameters after its forward and gather
     # them again for its backward (less memory), or keep them to the backward (one all-gather
     # a block fewer per micro-batch).
@@ -128,7 +133,8 @@ class ParallelConfig:
 
 def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
     """parallel.* as parallel.mesh.resolve_layout's arguments."""
-    return {"tp": parallel.tp, "dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard}
+    return {"tp": parallel.tp, "dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
+            "ep": parallel.ep}
 
 
 @dataclass

@@ -22,7 +22,7 @@ from eval.health import HealthStats
 from parallel.comm import COUNTER as COMM, all_gather_object, barrier, region, world
 from model.gpt import GPT
 from model.moe import balance_experts, reset_routing_stats
-from model.parallelize import parallelize_tp
+from model.parallelize import parallelize_moe, parallelize_tp
 from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.ns_choice import resolve_ns_method
@@ -51,13 +51,15 @@ class NonFiniteLoss(RuntimeError):
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
-    """The full model from the seed alone, then this rank's TP shard of it.
+    """The full model from the seed alone, then this rank's TP shard of it (and, under EP, its
+    experts).
 
     Initialising the full model on every rank before sharding is what makes a TP=T run hold
     exactly the weights of a TP=1 run with the same seed.
     """
     torch.manual_seed(cfg.seed)
-    model = parallelize_tp(GPT(replace(cfg.model, vocab_size=vocab_size)), mesh.tp_group).to(device)
+    model = parallelize_tp(GPT(replace(cfg.model, vocab_size=vocab_size)), mesh.tp_group, split_experts=mesh.ep == 1)
+    model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group).to(device)
     if mesh.layout.dp_shard > 1:
         # FSDP2 over what TP left on this rank: bf16 compute from fp32 master weights under
         # trainer.precision=bf16, fp32 gradient reduction either way.
@@ -145,7 +147,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.model_cfg, self.mesh,
                                          compile_updates=t.compile and self.device.type == "cuda")
         self.health = HealthStats(self.model, self.mesh.tp_group,
-                                  self.mesh.device_mesh.get_group("dp_shard") if self.sharded else None)
+                                  self.mesh.device_mesh.get_group("dp_shard") if self.sharded else None,
+                                  self.mesh.ep_group)
         clip = cfg.optim.qk_clip
         self.qk_clip = QKClip(self.model, clip.tau, self.mesh.dp_group, self.mesh.tp_group) if clip.enabled else None
 
@@ -180,7 +183,7 @@ class Trainer:
             self.environment = run_env.environment(
                 self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
                 dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
-                dp_shard=self.mesh.layout.dp_shard,
+                dp_shard=self.mesh.layout.dp_shard, ep=self.mesh.ep,
             )
             self._write_resolved_config()
             run_env.save_tokenizer(run_dir, self.data.tokenizer)
@@ -245,9 +248,9 @@ class Trainer:
                 self.max_logit_batch = batches[0][0].to(self.device)
             mine = batches[self.mesh.dp_rank :: self.mesh.dp]
             self.eval_counted[name] = len(mine)
-            if self.sharded:
-                # Every forward is a collective under FSDP2: ranks with fewer batches repeat
-                # one, uncounted, so that all run as many forwards.
+            if self.sharded or self.mesh.ep > 1:
+                # Every forward is a collective under FSDP2 and EP: ranks with fewer batches
+                # repeat one, uncounted, so that all run as many forwards.
                 mine += [batches[0]] * (-(-len(batches) // self.mesh.dp) - len(mine))
             sets[name] = [(x.to(self.device), y.to(self.device)) for x, y in mine]
         return sets

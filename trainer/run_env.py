@@ -82,7 +82,7 @@ def device_name(device: torch.device) -> str:
 
 
 def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
-                corpus: dict[str, Any], dp_shard: int = 1) -> dict[str, Any]:
+                corpus: dict[str, Any], dp_shard: int = 1, ep: int = 1) -> dict[str, Any]:
     import torch
 
     return {
@@ -97,8 +97,9 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "world_size": world_size,
-        # dp_shard: the data-parallel ranks that shard the parameters (FSDP2), of dp
-        "layout": {"dp": dp, "tp": tp, "backend": backend, "dp_shard": dp_shard},
+        # dp_shard: the data-parallel ranks that shard the parameters (FSDP2), of dp; ep: the
+        # data-parallel ranks that spread the experts among them
+        "layout": {"dp": dp, "tp": tp, "backend": backend, "dp_shard": dp_shard, "ep": ep},
         "corpus": corpus,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -135,7 +136,8 @@ def summary_line(env: dict[str, Any]) -> str:
     cuda = f", CUDA {env['cuda']}" if env.get("cuda") else ""
     return (f"commit {commit}; Python {env.get('python')}, torch {env.get('torch')}{cuda}; "
             f"{env.get('device')} x {env.get('world_size')} (dp {layout.get('dp')}, tp {layout.get('tp')}"
-            + (f", FSDP2 over {layout['dp_shard']}" if layout.get("dp_shard", 1) > 1 else "") + ")")
+            + (f", FSDP2 over {layout['dp_shard']}" if layout.get("dp_shard", 1) > 1 else "")
+            + (f", experts over ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
 
 
 def save_tokenizer(run_dir: Path, tokenizer) -> Path:

@@ -1,0 +1,156 @@
+"""Whole training runs with expert parallelism (parallel.ep > 1) track the single-process run:
+fp32, losses within 1e-5 relative over 10 steps and the expert weights within 1e-6, with the
+router's bias and load metrics identical on every rank, and the all-to-all bytes those of the
+tokens routed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import compose
+from tests.distributed import run_distributed
+from tests.test_parallel_training import COMMON, assert_tracks, losses, read_metrics
+from trainer.config import to_dataclass
+
+MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
+MOE = ["model=moe_tiny", "trainer.seq_len=32"]
+# The last expert is never chosen: its EP rank receives no tokens for it, from any rank, at
+# any step (the case the dispatch must survive with empty all-to-all blocks).
+STARVED = -100.0
+
+
+def _train(run_dir: Path, overrides: list[str], mesh=None, starve: bool = False) -> dict:
+    """Train; return every MoE layer's expert weights as this rank holds them, its router bias,
+    the balance metrics of every step, and (rank 0) what each dispatch sent and received."""
+    import model.moe as moe_module
+    import trainer.loop as loop_module
+    from model.moe import moe_layers
+    from trainer.loop import Trainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(to_dataclass(compose(COMMON + MOE + MUON + overrides)), run_dir, mesh)
+    if starve:
+        for _, layer in moe_layers(trainer.model):
+            layer.expert_bias[-1] = STARVED
+    balance, dispatches = [], []
+    real_balance, real_dispatch = loop_module.balance_experts, moe_module.dispatch
+
+    def recording_balance(*args, **kwargs):
+        stats = real_balance(*args, **kwargs)
+        balance.append({k: float(v) for k, v in stats.items()})
+        return stats
+
+    def recording_dispatch(x, counts, group):
+        out = real_dispatch(x, counts, group)
+        handle = out[2]
+        dispatches.append({"step": trainer.step, "rows": handle.n_rows, "received": handle.n_received,
+                           "per_expert": torch.diff(out[1], prepend=out[1].new_zeros(1)).tolist(),
+                           "width": x.shape[-1], "bytes": x.element_size(), "training": trainer.model.training})
+        return out
+
+    loop_module.balance_experts, moe_module.dispatch = recording_balance, recording_dispatch
+    try:
+        trainer.train()
+    finally:
+        loop_module.balance_experts, moe_module.dispatch = real_balance, real_dispatch
+    experts = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".experts." in n}
+    return {"experts": experts, "bias": [layer.expert_bias.clone() for _, layer in moe_layers(trainer.model)],
+            "balance": balance, "dispatches": dispatches, "ep_rank": trainer.mesh.ep_rank,
+            "tp_rank": trainer.mesh.tp_rank, "ep": trainer.mesh.ep}
+
+
+def _ep_worker(rank: int, world: int, run_dir: str, overrides: list[str], starve: bool) -> dict:
+    from parallel.mesh import build_mesh
+
+    cfg = to_dataclass(compose(COMMON + MOE + MUON + overrides))
+    mesh = build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep)
+    return _train(Path(run_dir), overrides, mesh, starve)
+
+
+# (world, layout, options, per-rank batch, accumulation)
+@pytest.mark.parametrize("world, layout, options, per_rank, accum, starve", [
+    (2, ["parallel.ep=2"], [], 2, 1, False),
+    # an EP rank whose only expert gets no token at all
+    pytest.param(4, ["parallel.ep=4"], [], 1, 1, True, marks=pytest.mark.slow),
+    pytest.param(4, ["parallel.ep=2"], [], 1, 1, False, marks=pytest.mark.slow),  # ep 2 x edp 2, ZeRO-1
+    pytest.param(4, ["parallel.ep=2", "parallel.tp=2"], [], 2, 1, False, marks=pytest.mark.slow),
+    (2, ["parallel.ep=2"], [], 1, 2, False),  # gradient accumulation
+    (2, ["parallel.ep=2"], ["optim.muon.normuon=true"], 2, 1, False),
+    # the auxiliary loss over the global batch
+    (2, ["parallel.ep=2"], ["model.aux_loss_coef=0.01"], 2, 1, False),
+], ids=["ep2", "ep4_starved", "ep2_edp2", "ep2_tp2", "ep2_accum2", "ep2_normuon", "ep2_aux_loss"])
+def test_expert_parallel_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum,
+                                                                starve):
+    tp = 2 if "parallel.tp=2" in layout else 1
+    dp = world // tp
+    single = _train(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}"], starve=starve)
+    results = run_distributed(_ep_worker, world, str(tmp_path / "par"),
+                              options + layout + [f"trainer.batch_size={per_rank}", f"trainer.grad_accum={accum}"],
+                              starve)
+    sharded = read_metrics(tmp_path / "par")
+    assert_tracks(losses(sharded), losses(read_metrics(tmp_path / "single")), 1e-5)
+    # Every expert, from the rank that holds it, within 1e-6 of the single-process weights.
+    ep = results[0]["ep"]
+    for name, full in single["experts"].items():
+        local = full.shape[0] // ep
+        for r in results:
+            mine = full[r["ep_rank"] * local : (r["ep_rank"] + 1) * local]
+            torch.testing.assert_close(r["experts"][name], mine, rtol=0, atol=1e-6, msg=name)
+    # The bias and the balance metrics are global: identical on every rank, and the single run's.
+    for r in results:
+        assert r["dispatches"] and any(d["received"] != d["rows"] for d in r["dispatches"])  # tokens moved
+        for got, want in zip(r["bias"], single["bias"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert r["balance"] == results[0]["balance"]
+    for got, want in zip(results[0]["balance"], single["balance"]):
+        assert got.keys() == want.keys()
+        for key in got:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    if starve:  # the starved expert's rank received nothing for it, yet trained in step
+        last = results[-1]
+        assert last["ep_rank"] == ep - 1
+        assert all(d["per_expert"][-1] == 0 for d in last["dispatches"])
+
+
+def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
+    """comm/ep/all_to_all_bytes of each logged step (rank 0's) against what rank 0 routed:
+    per dispatch, the expert counts, its rows out and the rows it received, then the same back
+    (ep_bytes), for the forward and the backward."""
+    from parallel.expert_parallel import ep_bytes
+
+    results = run_distributed(_ep_worker, 2, str(tmp_path), ["parallel.ep=2", "trainer.batch_size=2"], False)
+    metrics = {r["step"]: r for r in read_metrics(tmp_path)}
+    dispatches = results[0]["dispatches"]
+    checked = 0
+    for step in range(1, 10):  # the last step also evaluates
+        mine = [d for d in dispatches if d["step"] == step - 1]
+        assert mine and all(d["training"] for d in mine)
+        expected = sum(ep_bytes(d["rows"], d["received"], d["width"], d["width"], 4, d["bytes"]) for d in mine)
+        assert metrics[step]["comm/ep/all_to_all_bytes"] == expected, step
+        assert metrics[step]["comm/ep/all_to_all_calls"] == 5 * len(mine)  # counts, 2 forward, 2 backward
+        checked += 1
+    assert checked == 9 and len({d["received"] for d in dispatches}) > 1
+
+
+# (dp, tp, ep) saved -> loaded: each rank writes its experts at their place in the logical
+# stack, and a load at another layout reads the experts (or TP shards of them) it now holds.
+@pytest.mark.parametrize("saved, loaded", [
+    ((2, 1, 2), (2, 1, 2)),  # exact
+    ((2, 1, 2), (1, 1, 1)),
+    pytest.param((2, 1, 2), (1, 2, 1), marks=pytest.mark.slow),  # into TP-split experts
+    pytest.param((1, 2, 1), (2, 1, 2), marks=pytest.mark.slow),
+], ids=["ep2-resume", "ep2-to-single", "ep2-to-tp2", "tp2-to-ep2"])
+def test_expert_parallel_checkpoints_resume_at_any_layout(tmp_path, saved, loaded):
+    from tests.test_checkpoint import assert_continues_like, run_layout
+
+    def run(run_dir, layout, mode):
+        dp, tp, ep = layout
+        run_layout(run_dir, dp, tp, mode, model="moe_tiny", options=(f"parallel.ep={ep}", *MUON))
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, saved, "train")
+    run(resumed, saved, "interrupt")
+    run(resumed, loaded, "train")
+    assert_continues_like(straight, resumed, 0.0 if saved == loaded else 1e-5)
