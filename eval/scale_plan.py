@@ -19,6 +19,10 @@ Designs, per optimizer step and per rank:
                 owners, reached by two all-to-alls.
   adamw-hsdp    HSDP: FSDP2 within a node (dp_shard = GPUs per node / TP), replicas across nodes.
   muon-hsdp     the same with our sharded Muon.
+  adamw-ep      MoE models, expert parallelism (parallel.ep): each rank holds n_experts / ep whole
+                experts; ZeRO-1 over DP for the dense parameters and over the ranks holding the
+                same experts for the experts; the routed tokens travel by all-to-all.
+  muon-ep       the same with our ZeRO-1 Muon (each expert stack owned whole).
 
 Conventions: gradients and parameters move in fp32 (4 bytes); the baselines' extra momentum
 gathers in bf16 (2 bytes), as Moonlight and the Megatron proof of concept do. Byte counts are
@@ -48,8 +52,9 @@ from optim.zero_plan import ParamSpec, ZeroPlan, build_plan
 
 NS_STEPS = 5
 DESIGNS = ("adamw-zero1", "muon-ours", "moonlight", "megatron-poc", "adamw-fsdp", "muon-fsdp", "adamw-hsdp",
-           "muon-hsdp")
-FSDP_DESIGNS = DESIGNS[4:]
+           "muon-hsdp", "adamw-ep", "muon-ep")
+FSDP_DESIGNS = DESIGNS[4:8]
+EP_DESIGNS = DESIGNS[8:]
 REPO = Path(__file__).resolve().parents[1]
 # HBM bytes per owned element of one optimizer update (fp32): AdamW reads p, g, m, v and writes
 # p, m, v; Muon reads g, m, the orthogonalised update and p, and writes m, the Newton-Schulz
@@ -68,6 +73,7 @@ class Local:
     tp_sharded: bool
     shape: tuple[int, ...] = ()  # TP-local
     unit: int = -1  # its FSDP2 unit: the block's index, or ROOT_UNIT (embedding, final norm, head)
+    expert: bool = False  # a routed expert stack (under EP, this rank's experts)
 
     @property
     def ns_flops(self) -> float:
@@ -83,24 +89,28 @@ def ns_flops(rows: int, cols: int) -> float:
     return NS_STEPS * (4 * m * m * n + 2 * m**3)
 
 
-def local_params(cfg: ModelConfig, tp: int) -> list[Local]:
+def local_params(cfg: ModelConfig, tp: int, ep: int = 1) -> list[Local]:
     """Every parameter's TP-local size and Muon matrices, from shapes alone (on the meta
-    device, so an 8B model costs no memory)."""
+    device, so an 8B model costs no memory). Under EP (`ep` > 1) a rank holds n_experts / ep
+    whole experts of each stack, which TP leaves whole."""
     with torch.device("meta"):
         model = GPT(cfg)
     routes = {r.name: r for r in route_parameters(model, "muon")}
     out = []
     for name, p in model.named_parameters():
-        dim = tp_split_dim(name) if tp > 1 else None
+        expert = ".experts." in name
+        dim = tp_split_dim(name, split_experts=ep == 1) if tp > 1 else None
         shape = list(p.shape)
         if dim is not None:
             if name.endswith(("embed.weight", "head.weight")):
                 shape[0] = padded_vocab(shape[0], tp)
             shape[dim] //= tp
-        matrices = ((p.shape[-2], p.shape[-1]),) * (p.shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
+        if expert and ep > 1:
+            shape[0] //= ep
+        matrices = ((p.shape[-2], p.shape[-1]),) * (shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
         block = re.match(r"blocks\.(\d+)\.", name)
         out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None,
-                         tuple(shape), int(block.group(1)) if block else ROOT_UNIT))
+                         tuple(shape), int(block.group(1)) if block else ROOT_UNIT, expert))
     return out
 
 
@@ -184,6 +194,7 @@ class DesignRow:
     adamw_elements: float
     plan_costs: list[int] = field(default_factory=list)  # muon-ours: LPT cost per rank
     idle_ranks: int = 0  # muon-ours: DP ranks that own no Muon matrix
+    ep_bytes: float = 0.0  # EP designs: the token all-to-alls' bytes (what the rank sends)
 
 
 def design_rows(params: list[Local], dp: int, tp: int) -> dict[str, DesignRow]:
@@ -337,6 +348,11 @@ class Step:
     row: DesignRow
     memory: dict[str, float]
     times: dict[str, float]
+    ep: int = 1
+
+    def layout(self) -> str:
+        """ "dp x tp", and the EP size where there is one """
+        return f"{self.dp} x {self.tp}" + (f", ep {self.ep}" if self.ep > 1 else "")
 
     @property
     def optimizer_s(self) -> float:
@@ -472,3 +488,98 @@ def fsdp_step(design: str, params: list[Local], hw: Hardware, dp: int, tp: int, 
     mem = {"params": memory["params"], "grads": memory["grads"] + memory["gathered"] + accumulated,
            "optimizer_state": memory["optimizer_state"], "activations": act}
     return Step(design, dp, tp, row, mem, times)
+
+
+# ---- Expert parallelism (parallel/expert_parallel.py, optim/zero.py's expert domain) ----
+
+
+def ep_all_to_all_bytes(cfg: ModelConfig, tokens: int, tp: int, act_bytes: int = 2) -> float:
+    """Bytes one rank's token all-to-alls count in one micro-batch of `tokens` tokens, on
+    average over the EP group, as parallel/expert_parallel.ep_bytes counts them: every MoE
+    layer sends its rows to the experts (tokens x top_k / tp, each TP rank its part) and the
+    outputs back, forward and backward (4 x rows x d_model), plus the n_experts int64 counts.
+    What a rank receives equals what it sends on average; routing imbalance shifts it."""
+    n_moe = cfg.n_layers - cfg.n_dense_layers if cfg.n_experts > 0 else 0
+    rows = tokens * cfg.top_k / tp
+    return n_moe * (4 * rows * cfg.d_model * act_bytes + 8 * cfg.n_experts)
+
+
+def ep_step(design: str, cfg: ModelConfig, params: list[Local], hw: Hardware, dp: int, tp: int, ep: int,
+            micro_steps: int, tokens_micro: int, compute: float, tp_act: float, act: float) -> Step:
+    """An EP design at (dp, tp, ep): `params` from local_params(cfg, tp, ep). ZeRO-1 runs two
+    plans, as optim/zero.py does: the dense parameters over DP, this EP rank's experts over the
+    dp / ep ranks that hold the same ones (each expert stack owned whole, no gather). Each MoE
+    layer's all-to-alls (5 a layer and micro-batch, 4 carrying rows) run on the critical path,
+    within a node where ep x tp GPUs fit in one; under TP the experts are replicated over it and
+    their fp32 gradients all-reduced over TP once per micro-batch."""
+    optim = design.split("-")[0]
+    dense = [p for p in params if not p.expert]
+    experts = [p for p in params if p.expert]
+    edp = dp // ep
+
+    def share(group: list[Local], n: int) -> tuple[int, list[float], list[float], list[float], list[float]]:
+        """(flat buffer elements, and per rank: NS FLOPs, state bytes, Muon and AdamW elements),
+        from the plan ZeroOptimizer builds (AdamW alone: flat pieces only)."""
+        if not group:
+            return 0, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        plan = build_plan([ParamSpec(i, p.numel, p.matrices if p.muon and optim == "muon" else ())
+                           for i, p in enumerate(group)], n)
+        ns = [sum(group[s.param].ns_flops for s in r.muon) for r in plan.ranks]
+        muon_el = [float(sum(s.length for s in r.muon)) for r in plan.ranks]
+        adamw_el = [float(sum(s.length for s in r.adamw)) for r in plan.ranks]
+        state = [4 * m + 8 * a + 4 * len(r.adamw) for m, a, r in zip(muon_el, adamw_el, plan.ranks)]
+        return plan.total, ns, state, muon_el, adamw_el
+
+    dense_flat, dense_ns, dense_state, dense_muon, dense_adamw = share(dense, dp)
+    expert_flat, expert_ns, expert_state, expert_muon, expert_adamw = share(experts, edp)
+    # DP rank d holds EP rank d % ep's experts, as edp rank d // ep.
+    ns = [dense_ns[d] + expert_ns[d // ep] for d in range(dp)]
+    state = [dense_state[d] + expert_state[d // ep] for d in range(dp)]
+    busiest = max(range(dp), key=lambda d: (ns[d], state[d]))
+    tp_bytes = sum(tp_gather_bytes(p, tp) for p in dense if p.muon) / dp if optim == "muon" else 0.0
+    a2a = micro_steps * ep_all_to_all_bytes(cfg, tokens_micro, tp)
+    row = DesignRow(2 * 4 * (dense_flat + expert_flat), 0, tp_bytes, max(ns), sum(ns) / dp, max(state),
+                    dense_muon[busiest] + expert_muon[busiest // ep], dense_adamw[busiest] + expert_adamw[busiest // ep],
+                    ep_bytes=a2a)
+    ep_link = hw.nvlink if ep * tp <= hw.gpus_per_node else hw.ib
+    dp_link = hw.dp_link(dp, tp)
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    calls = 4 * n_moe * micro_steps  # the row-carrying all-to-alls; the counts' are latency only
+    per_call = a2a / calls if calls else 0.0
+    expert_numel = sum(p.numel for p in experts)
+    times = {
+        "compute": compute,
+        "tp_activations": tp_act,
+        "ep_all_to_all": calls * ring_reduce_scatter_s(per_call, ep, ep_link) + n_moe * micro_steps * (ep - 1) * ep_link.latency,
+        "ep_expert_grads_over_tp": micro_steps * all_reduce_s(4 * expert_numel, tp, hw.nvlink) if tp > 1 else 0.0,
+        "opt_dp_reduce_scatter": (ring_reduce_scatter_s(4 * dense_flat, dp, dp_link)
+                                  + ring_reduce_scatter_s(4 * expert_flat, edp, dp_link)),
+        "opt_dp_all_gather": ring_all_gather_s(4 * dense_flat, dp, dp_link) + ring_all_gather_s(4 * expert_flat, edp, dp_link),
+        "opt_tp_momentum_gather": ring_all_gather_s(tp_bytes, tp, hw.nvlink),
+        "opt_newton_schulz": max(ns) / hw.matmul_flops,
+        "opt_elementwise": (ADAMW_BYTES_PER_ELEMENT * row.adamw_elements
+                            + MUON_BYTES_PER_ELEMENT * row.muon_elements) / hw.hbm_bytes_s,
+    }
+    local_numel = sum(p.numel for p in params)
+    buffers = sum(4 * flat * (1 + 2 / n) for flat, n in ((dense_flat, dp), (expert_flat, edp)) if n > 1)
+    memory = {"params": 4 * local_numel, "grads": 4 * local_numel + buffers, "optimizer_state": row.state,
+              "activations": act}
+    return Step(design, dp, tp, row, memory, times, ep)
+
+
+def ep_sizes(cfg: ModelConfig, dp: int) -> list[int]:
+    """EP sizes above 1 that divide the data-parallel ranks and the experts."""
+    return [ep for ep in (2 ** i for i in range(1, 12)) if ep <= dp and dp % ep == 0 and cfg.n_experts % ep == 0]
+
+
+def predict_ep(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, ep: int, tokens_per_step: int, seq_len: int,
+               micro_batch: int, params: Optional[list[Local]] = None) -> dict[str, Step]:
+    """The EP designs at one (dp, tp, ep) layout, with predict's compute and TP terms."""
+    params = params if params is not None else local_params(cfg, tp, ep)
+    micro_steps = max(1, math.ceil(tokens_per_step / dp / (seq_len * micro_batch)))
+    act = activation_bytes_per_token(cfg, tp, fused_norm=True) * seq_len * micro_batch
+    compute = train_flops_per_token(cfg, seq_len) * tokens_per_step / (dp * tp * hw.matmul_flops)
+    per_call = 2 * seq_len * micro_batch * cfg.d_model
+    tp_act = 4 * cfg.n_layers * micro_steps * all_reduce_s(per_call, tp, hw.nvlink) if tp > 1 else 0.0
+    return {d: ep_step(d, cfg, params, hw, dp, tp, ep, micro_steps, seq_len * micro_batch, compute, tp_act, act)
+            for d in EP_DESIGNS}

@@ -27,33 +27,35 @@ from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 
 
-def _measure_worker(rank: int, world: int, cfg: ModelConfig, tp: int) -> dict[str, float]:
+def _measure_worker(rank: int, world: int, cfg: ModelConfig, tp: int, ep: int = 1, optim: str = "muon") -> dict[str, float]:
     from parallel.comm import COUNTER
-    from model.parallelize import parallelize_tp
+    from model.parallelize import parallelize_moe, parallelize_tp
     from optim.config import OptimConfig
     from optim.zero import ZeroOptimizer
     from parallel.mesh import build_mesh
 
-    mesh = build_mesh(tp)
+    mesh = build_mesh(tp, ep=ep)
     torch.manual_seed(0)
-    model = parallelize_tp(GPT(cfg), mesh.tp_group)
-    opt = ZeroOptimizer(model, OptimConfig(name="muon"), cfg, mesh)
+    model = parallelize_moe(parallelize_tp(GPT(cfg), mesh.tp_group, split_experts=ep == 1), mesh.ep_group,
+                            mesh.tp_group, mesh.dp_group)
+    opt = ZeroOptimizer(model, OptimConfig(name=optim), cfg, mesh)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     COUNTER.reset()
     opt.prepare_grads(1.0)
     opt.step()
-    dp_rs_ag = sum(v for (label, op), v in COUNTER.bytes.items() if label == "dp" and op != "all_reduce")
+    # (under EP the experts' own ZeRO-1 runs over "edp")
+    dp_rs_ag = sum(v for (label, op), v in COUNTER.bytes.items() if label in ("dp", "edp") and op != "all_reduce")
     tp_bytes = sum(v for (label, op), v in COUNTER.bytes.items() if label == "tp" and op == "all_gather")
     return {"dp_bytes": dp_rs_ag, "tp_bytes": tp_bytes, "state": opt.state_bytes(),
             "plan_costs": [r.ns_cost for r in opt.plan.ranks]}
 
 
-def measure(cfg: ModelConfig, dp: int, tp: int) -> dict[str, float]:
+def measure(cfg: ModelConfig, dp: int, tp: int, ep: int = 1, optim: str = "muon") -> dict[str, float]:
     sys.path.insert(0, str(REPO / "tests"))
     from tests.distributed import run_distributed
 
-    per_rank = run_distributed(_measure_worker, dp * tp, cfg, tp)
+    per_rank = run_distributed(_measure_worker, dp * tp, cfg, tp, ep, optim)
     return {
         "dp_bytes": per_rank[0]["dp_bytes"],
         "tp_bytes": sum(r["tp_bytes"] for r in per_rank[::tp]) / dp,  # one TP rank per DP rank

@@ -4,9 +4,12 @@ in the same run, not a datasheet figure)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,6 +21,47 @@ from optim.builder import muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
 from optim.newton_schulz import gram_macs, standard_macs, use_gram
 from parallel.mesh import Mesh
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- runs
+
+
+def add_run_arguments(ap) -> None:
+    """The options every torchrun_train benchmark takes: steps, warm-up, precision, timeout and
+    trailing Hydra overrides (check them with parse_run_arguments)."""
+    ap.add_argument("--steps", type=int, default=8, help="training steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the medians")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
+
+
+def parse_run_arguments(ap):
+    args = ap.parse_args()
+    if args.warmup >= args.steps:
+        ap.error("--warmup must be smaller than --steps")
+    return args
+
+
+def torchrun_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float, label: str) -> list[dict]:
+    """A real training run of `nproc` ranks (one intra-op thread each: the ranks already share
+    the cores), logging every step and evaluating only at its end; its metrics.jsonl rows."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "train.py", "logger.interval=1", "eval.interval=0",
+        # The run always evaluates at its end: keep that (untimed) eval small.
+        "eval.batches=1", "eval.batch_size=4", "checkpoint.interval=0", "logger.wandb.mode=disabled",
+        "logger.tensorboard=false", "logger.progress=none", f"hydra.run.dir={run_dir}", *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"  {label}: {time.perf_counter() - t0:.0f} s wall", file=sys.stderr, flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{label} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
 
 # ----------------------------------------------------------------------------- machine
 

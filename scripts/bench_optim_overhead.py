@@ -18,41 +18,24 @@ RMS), which the step time includes and the optimizer time does not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_common import machine_info  # noqa: E402
+from scripts.bench_common import add_run_arguments, machine_info, parse_run_arguments, torchrun_train  # noqa: E402
 
 
 def run(optim: str, args: argparse.Namespace, run_dir: Path) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "train.py", f"model={args.model}", f"optim={optim}", f"trainer.max_steps={args.steps}",
+    return torchrun_train(args.nproc, [
+        f"model={args.model}", f"optim={optim}", f"trainer.max_steps={args.steps}",
         f"trainer.batch_size={args.batch_size}", f"trainer.seq_len={args.seq_len}",
-        f"trainer.precision={args.precision}", "logger.interval=1", "eval.interval=0",
-        # The run always evaluates at its end: keep that (untimed) eval small.
-        "eval.batches=1", "eval.batch_size=4", "checkpoint.interval=0", "logger.wandb.mode=disabled",
-        "logger.tensorboard=false", "logger.progress=none", f"hydra.run.dir={run_dir}", *args.overrides,
-    ]
-    # One intra-op thread per rank: the ranks already share the cores between them.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    print(f"  {optim}: {time.perf_counter() - t0:.0f} s wall", file=sys.stderr, flush=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{optim} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+        f"trainer.precision={args.precision}", *args.overrides], run_dir, args.timeout, optim)
 
 
 def summarise(records: list[dict], warmup: int) -> dict[str, float]:
@@ -74,16 +57,10 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_small")
     ap.add_argument("--optims", nargs="+", default=["muon", "adamw"])
     ap.add_argument("--nproc", type=int, default=4, help="data-parallel ranks (processes)")
-    ap.add_argument("--steps", type=int, default=8, help="training steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the medians")
     ap.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
-    args = ap.parse_args()
-    if args.warmup >= args.steps:
-        ap.error("--warmup must be smaller than --steps")
+    add_run_arguments(ap)
+    args = parse_run_arguments(ap)
 
     cores = os.cpu_count() or 1
     print(f"# Optimizer overhead at DP={args.nproc} ({date.today().isoformat()})\n")

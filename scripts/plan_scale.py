@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.scale_plan import DESIGNS, Hardware, Step, local_params, predict, tp_sizes  # noqa: E402
+from eval.scale_plan import DESIGNS, Hardware, Step, ep_sizes, local_params, predict, predict_ep, tp_sizes  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 
@@ -57,8 +57,11 @@ def plan(cfg: ModelConfig, hw: Hardware, gpus: list[int], tokens_per_step: int, 
             dp = n // tp
             if tokens_per_step % (dp * seq_len):
                 continue  # every DP rank needs whole sequences
-            params = params_by_tp.setdefault(tp, local_params(cfg, tp))
+            params = params_by_tp.setdefault((tp, 1), local_params(cfg, tp))
             out[n] += predict(cfg, hw, dp, tp, tokens_per_step, seq_len, micro_batch, params).values()
+            for ep in ep_sizes(cfg, dp) if cfg.n_experts else ():  # expert parallelism
+                params = params_by_tp.setdefault((tp, ep), local_params(cfg, tp, ep))
+                out[n] += predict_ep(cfg, hw, dp, tp, ep, tokens_per_step, seq_len, micro_batch, params).values()
     return out
 
 
@@ -69,16 +72,17 @@ def fastest_fitting(steps: list[Step], design: str, hw: Hardware) -> Step | None
 
 def table(steps: list[Step], hw: Hardware) -> list[str]:
     head = ("| GPUs | dp x tp | design | params GB | grads GB | state GB | act GB | fits | DP MB | TP MB "
-            "| NS GFLOP max / mean | idle owners | opt ms | step ms | opt share |")
+            "| EP MB | NS GFLOP max / mean | idle owners | opt ms | step ms | opt share |")
     lines = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for s in steps:
         m = s.memory
         idle = str(s.row.idle_ranks) if s.design == "muon-ours" else "-"
         lines.append(
-            f"| {s.dp * s.tp} | {s.dp} x {s.tp} | {s.design} | {m['params'] / GB:.2f} | {m['grads'] / GB:.2f} | "
+            f"| {s.dp * s.tp} | {s.layout()} | {s.design} | {m['params'] / GB:.2f} | {m['grads'] / GB:.2f} | "
             f"{m['optimizer_state'] / GB:.2f} | {m['activations'] / GB:.2f} | "
             f"{'yes' if s.memory_total <= hw.hbm_gb * GB else 'no'} | {s.row.dp_bytes / 1e6:,.0f} | "
-            f"{s.row.tp_bytes / 1e6:,.0f} | {s.row.ns_max / 1e9:,.1f} / {s.row.ns_mean / 1e9:,.1f} | {idle} | "
+            f"{s.row.tp_bytes / 1e6:,.0f} | {s.row.ep_bytes / 1e6:,.0f} | "
+            f"{s.row.ns_max / 1e9:,.1f} / {s.row.ns_mean / 1e9:,.1f} | {idle} | "
             f"{s.optimizer_s * 1e3:.1f} | {s.step_s * 1e3:.1f} | {100 * s.overhead:.1f}% |"
         )
     return lines
@@ -135,18 +139,22 @@ def main() -> None:
     lines = [f"# Scale plan: {title}", ""]
     best: dict[str, dict[int, Step]] = {d: {} for d in DESIGNS}
     print(f"{title}: fastest layout that fits in {hw.hbm_gb:g} GB, per design")
-    print("| GPUs | design | dp x tp | GB/rank | DP GB | NS GFLOP max / mean | idle owners | opt ms | step ms | opt share |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| GPUs | design | dp x tp | GB/rank | DP GB | EP GB | NS GFLOP max / mean | idle owners | opt ms | step ms "
+          "| opt share |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, at_n in steps.items():
         lines += [f"## {n} GPUs", ""] + (table(at_n, hw) if at_n else ["no feasible layout"]) + [""]
         for design in DESIGNS:
+            if not any(step.design == design for step in at_n):
+                continue  # a design this model has no layout for (EP without experts)
             s = fastest_fitting(at_n, design, hw)
             if s is None:
-                print(f"| {n} | {design} | no layout fits | | | | | | | |")
+                print(f"| {n} | {design} | no layout fits | | | | | | | | |")
                 continue
             best[design][n] = s
             idle = str(s.row.idle_ranks) if design == "muon-ours" else "-"
-            print(f"| {n} | {design} | {s.dp} x {s.tp} | {s.memory_total / GB:.1f} | {s.row.dp_bytes / GB:.2f} | "
+            print(f"| {n} | {design} | {s.layout()} | {s.memory_total / GB:.1f} | {s.row.dp_bytes / GB:.2f} | "
+                  f"{s.row.ep_bytes / GB:.2f} | "
                   f"{s.row.ns_max / 1e9:,.1f} / {s.row.ns_mean / 1e9:,.1f} | {idle} | {s.optimizer_s * 1e3:.1f} | "
                   f"{s.step_s * 1e3:.1f} | {100 * s.overhead:.1f}% |")
     (args.out / "plan.md").write_text("\n".join(lines) + "\n")

@@ -123,6 +123,15 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     results = run_distributed(_ep_worker, 2, str(tmp_path), ["parallel.ep=2", "trainer.batch_size=2"], False)
     metrics = {r["step"]: r for r in read_metrics(tmp_path)}
     dispatches = results[0]["dispatches"]
+    from eval.scale_plan import ep_all_to_all_bytes
+    from scripts.bench_comm import model_config
+
+    # The planner's per-rank average (eval/scale_plan.py): what all ranks send, over the ranks.
+    planned = ep_all_to_all_bytes(model_config("moe_tiny", 100), 2 * 32, tp=1, act_bytes=4)
+    for step in range(0, 9):
+        sent = sum(ep_bytes(d["rows"], d["received"], d["width"], d["width"], 4, d["bytes"])
+                   for r in results for d in r["dispatches"] if d["step"] == step)
+        assert sent == 2 * planned, step
     checked = 0
     for step in range(1, 10):  # the last step also evaluates
         mine = [d for d in dispatches if d["step"] == step - 1]

@@ -192,3 +192,22 @@ def test_fsdp_and_hsdp_designs_use_the_formulas_the_counted_run_checks():
                                  + muon_exchange_bytes_per_rank(params, 4))
     # FSDP2's own collectives overlap compute: only what compute cannot hide is on the clock
     assert set(adamw.times) >= {"compute", "dp_not_overlapped"} and adamw.optimizer_s < muon.optimizer_s
+
+
+@pytest.mark.parametrize("optim", ["muon", "adamw"])
+def test_ep_designs_hold_and_move_what_the_real_zero_optimizer_does_under_ep(optim):
+    """At dp 4 x ep 2: the planner's DP bytes (the dense ZeRO-1 over DP plus the experts' over
+    the 2 ranks that hold the same ones) and the busiest rank's optimizer state equal one
+    counted step of ZeroOptimizer with EP on gloo."""
+    from eval.scale_plan import predict_ep
+
+    cfg = model_config("moe_tiny", 97)
+    dp, ep = 4, 2
+    real = measure(cfg, dp, 1, ep, optim)
+    step = predict_ep(cfg, Hardware.load("h100_sxm"), dp, 1, ep, tokens_per_step=dp * 64, seq_len=64,
+                      micro_batch=1)[f"{optim}-ep"]
+    assert real["dp_bytes"] == step.row.dp_bytes
+    assert real["state"] == step.row.state
+    # each rank holds half of every expert stack
+    experts = [p for p in local_params(cfg, 1, ep) if p.expert]
+    assert experts and all(p.shape[0] == cfg.n_experts // ep for p in experts)
