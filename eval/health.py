@@ -74,8 +74,9 @@ class HealthStats:
                      else "ep" if getattr(p, "ep_split_dim", None) is not None else "none" for p in plist]
             for key, sums in split.items():
                 sums.append(sum((s for s, w in zip(sq, where) if w == key), zero))
-        total = (all_reduce(torch.stack(split["tp"]), self.tp_group) + all_reduce(torch.stack(split["ep"]), self.ep_group)
-                 + torch.stack(split["none"]))
+        # Under FSDP2 the EP ranks are dp_shard ranks: the sum over dp_shard below covers them.
+        experts = all_reduce(torch.stack(split["ep"]), self.ep_group if self.shard_group is None else None)
+        total = all_reduce(torch.stack(split["tp"]), self.tp_group) + experts + torch.stack(split["none"])
         total = all_reduce(total, self.shard_group)  # FSDP2: every rank holds other rows
         numel = torch.tensor(self.numel, dtype=torch.float32, device=total.device)
         return (total / numel).sqrt().tolist()

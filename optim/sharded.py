@@ -54,11 +54,15 @@ class ShardedOptimizer(OptimizerSet):
             if route.name in self.local:
                 by_target[route.optimizer][route.kind].append(route.name)
         optimizers: dict[str, torch.optim.Optimizer] = {}
+        # Under EP the experts are sharded over the dp_shard ranks that hold the same ones.
+        expert_shard = mesh.expert_mesh.get_group("expert_shard") if mesh.expert_mesh is not None else None
         if by_target["muon"]:
             groups = []
             for kind, names in by_target["muon"].items():
+                experts = any(getattr(params[n], "ep_split_dim", None) is not None for n in names)
                 groups.append({
                     "params": [self.local[n] for n in names], "kind": kind,
+                    **({"shard_group": expert_shard} if experts else {}),
                     "split_rows": muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim),
                     "full_shapes": [params[n].shape for n in names],
                     "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
@@ -91,13 +95,20 @@ class ShardedOptimizer(OptimizerSet):
         """FSDP2 has averaged the gradients; point the local tensors at their rows, and clip
         by the global norm (the shards' squares summed over dp_shard, and over TP for the
         TP-split ones). Returns the norm."""
-        tp_split, replicated = [], []
+        tp_split, replicated, experts = [], [], []
         for (name, local), p in zip(self.local.items(), self.model_params):
             if p.grad is None:
                 local.grad = None
                 continue
             local.grad = local_rows(p.grad)[0]
             (tp_split if getattr(p, "tp_split_dim", None) is not None else replicated).append(local.grad)
+            if getattr(p, "ep_split_dim", None) is not None:
+                experts.append(local.grad)
+        if experts:
+            # FSDP2 averaged the experts' gradients over the ranks that hold the same experts
+            # (dp / ep of them), but each already sums its EP group's tokens: the global batch's
+            # mean divides by all dp ranks.
+            torch._foreach_div_(experts, float(self.mesh.ep))
         device = next(iter(self.local.values())).device
         square = all_reduce(sum_of_squares(tp_split, device), self.mesh.tp_group) + sum_of_squares(replicated, device)
         norm = all_reduce(square, self.shard_group).sqrt()

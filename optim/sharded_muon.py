@@ -89,7 +89,9 @@ class ShardedMuon(torch.optim.Optimizer):
         params: this rank's shards of 2-D matrices or 3-D expert stacks (rows start, stop of
             row_range; a 3-D stack is split over its first, expert, dimension), or param
             groups: dicts with "params" and, aligned with them, "full_shapes" (and, for
-            TP-sharded matrices, "tp_split_dims": 0, 1 or None each), plus any option below.
+            TP-sharded matrices, "tp_split_dims": 0, 1 or None each), plus any option below,
+            and "shard_group" for expert stacks sharded over another group than `group`
+            (under EP, the ranks that hold the same experts).
         full_shapes: every parameter's unsharded (TP-local) shape, when `params` is a list.
         group: the group the rows are sharded over (None: one process holding everything).
         tp_group: the TP group (None: no tensor parallelism).
@@ -144,7 +146,10 @@ class ShardedMuon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         shapes = [torch.Size(s) for s in param_group.get("full_shapes", ())]
         splits = list(param_group.get("tp_split_dims") or [None] * len(shapes))
-        n, me = group_size(self.group), group_rank(self.group)
+        rows_group = param_group.setdefault("shard_group", self.group)
+        if rows_group is not self.group and any(len(s) != 3 for s in shapes):
+            raise ValueError("ShardedMuon: only expert stacks can be sharded over a group of their own")
+        n, me = group_size(rows_group), group_rank(rows_group)
         plist = list(param_group["params"])
         if len(shapes) != len(plist) or len(splits) != len(plist):
             raise ValueError("ShardedMuon: a param group needs one full shape (and TP split) per parameter")

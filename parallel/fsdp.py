@@ -10,6 +10,11 @@ sharded on dim 0 (torch.chunk's rows on each rank), the layout optim/sharded_muo
 With `dp_replicate > 1` the unit's mesh is 2-D (dp_replicate, dp_shard): HSDP, sharded within
 a replica group and all-reduced across them.
 
+Under expert parallelism each MoE layer's experts are a unit of their own, sharded over
+`expert_shard` (the dp_shard ranks that hold the same experts) instead of dp_shard. FSDP2
+averages their gradients over that unit's ranks only, while they already sum every EP rank's
+tokens: the optimizer divides them by ep as well (optim/sharded.py).
+
 Mixed precision: the compute dtype is `param_dtype` (bf16 under trainer.precision=bf16) while
 the sharded master weights stay fp32, and gradients are reduced in fp32.
 """
@@ -33,7 +38,7 @@ except ImportError:  # older torch: FSDP2 still runs, its traffic is not counted
     DefaultAllGather = DefaultReduceScatter = None
 
 # What parallelize_tp records on each parameter, and fully_shard's new parameters must keep.
-PARAM_ATTRIBUTES = ("tp_split_dim", "logical_numel")
+PARAM_ATTRIBUTES = ("tp_split_dim", "logical_numel", "ep_split_dim")
 
 
 def row_range(rows: int, n: int, rank: int) -> tuple[int, int]:
@@ -53,7 +58,7 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not isinstance(param, DTensor):
         return param, 0
     mesh = param.device_mesh
-    shard_dim = mesh.mesh_dim_names.index("dp_shard")
+    shard_dim = next(i for i, placement in enumerate(param.placements) if placement.is_shard())
     start, _ = row_range(param.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
     return param.to_local(), start
 
@@ -87,20 +92,25 @@ def _count_collectives(module: FSDPModule) -> None:
         module.set_custom_reduce_scatter(CountedReduceScatter())
 
 
-def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: dp_shard alone, or (dp_replicate, dp_shard) for HSDP."""
+def fsdp_mesh(device_mesh: DeviceMesh, shard: str = "dp_shard") -> DeviceMesh:
+    """The mesh FSDP2 shards over: `shard` alone, or (dp_replicate, `shard`) for HSDP."""
     if device_mesh["dp_replicate"].size() > 1:
-        return device_mesh["dp_replicate", "dp_shard"]
-    return device_mesh["dp_shard"]
+        return device_mesh["dp_replicate", shard]
+    return device_mesh[shard]
 
 
 def apply_fsdp(root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh,
-               param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True) -> None:
-    """Shard each of `blocks`, then `root` (which holds them and the rest), in place."""
+               param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+               experts: Iterable[nn.Module] = (), expert_mesh: Optional[DeviceMesh] = None) -> None:
+    """Shard each of `experts` (EP's local experts, over `expert_mesh`), each of `blocks`, then
+    `root` (which holds them and the rest), in place."""
     # Inputs are token ids, and activations follow autocast: FSDP2 need not cast them, and its
     # casting would rebuild container arguments (the model's max-logit output list).
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     kept = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)} for name, p in root.named_parameters()}
+    for module in experts:
+        fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        _count_collectives(module)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         _count_collectives(block)

@@ -12,10 +12,12 @@ names without changing the order of the others.
 and owns ZeRO-1's optimizer state.
 
 Expert parallelism reuses the data-parallel ranks, as Megatron-Core and torchtitan do:
-`parallel.ep=E` unflattens `dp_replicate` into (`edp`, `ep`), EP innermost, so an EP group is
-E consecutive data-parallel ranks (the same TP rank of each), which hold different experts
-and see different tokens. The ranks of an `edp` group hold the same experts: expert
-parameters are data-parallel over `edp` only.
+`parallel.ep=E` unflattens the data-parallel dimension it divides (`dp_shard` under FSDP2, else
+`dp_replicate`) into (`expert_shard` or `edp`, `ep`), EP innermost, so an EP group is E
+consecutive data-parallel ranks (the same TP rank of each), which hold different experts and
+see different tokens. The ranks that hold the same experts form `edp`: expert parameters are
+data-parallel over it only (under FSDP2 sharded over `expert_shard`, replicated over
+`dp_replicate`).
 """
 from __future__ import annotations
 
@@ -105,10 +107,10 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
         sizes[rest[0]] = world_size // given
     layout = Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
                     tp=sizes["parallel.tp"], ep=ep)
-    if ep > 1 and layout.dp_shard > 1:
-        raise ValueError(f"parallel.ep={ep} with parallel.dp_shard={layout.dp_shard}: expert parallelism runs "
-                         "with ZeRO-1 (parallel.dp_shard=1) so far")
-    if layout.dp_replicate % ep:
+    if layout.dp_shard > 1 and layout.dp_shard % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide parallel.dp_shard={layout.dp_shard} (under FSDP2 the "
+                         "experts are spread over the ranks that shard the parameters)")
+    if layout.dp_shard == 1 and layout.dp_replicate % ep:
         raise ValueError(f"parallel.ep={ep} does not divide the {layout.dp_replicate} data-parallel ranks "
                          f"(parallel.dp_replicate x parallel.dp_shard on {_world_words(world_size)})")
     return layout
@@ -133,6 +135,9 @@ class Mesh:
     # holding the same ones (the experts' data-parallel group).
     ep_group: Optional[dist.ProcessGroup] = None
     edp_group: Optional[dist.ProcessGroup] = None
+    # The mesh with the data-parallel dimension EP divides unflattened (parallel/fsdp.py's
+    # expert_fsdp_mesh reads it).
+    expert_mesh: Optional[DeviceMesh] = None
     # All ranks over gloo, for agreeing on host-side flags (preemption) without making the
     # host wait for the GPU; None where the default group already runs on the host (gloo).
     host_group: Optional[dist.ProcessGroup] = None
@@ -228,15 +233,24 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
     label_group(device_mesh.get_group("dp_shard"), "dp_shard")
     label_group(tp_group, "tp")
     label_group(dp_group, "dp")
-    ep_group = edp_group = None
+    ep_group = edp_group = experts = None
     if layout.ep > 1:
-        experts = device_mesh._unflatten("dp_replicate", (layout.dp_replicate // layout.ep, layout.ep), ("edp", "ep"))
-        ep_group, edp_group = experts.get_group("ep"), experts.get_group("edp")
+        if layout.dp_shard > 1:  # FSDP2: the experts are sharded over expert_shard
+            experts = device_mesh._unflatten("dp_shard", (layout.dp_shard // layout.ep, layout.ep),
+                                             ("expert_shard", "ep"))
+            edp_group = (experts["dp_replicate", "expert_shard"]._flatten("edp").get_group()
+                         if layout.dp_replicate > 1 else experts.get_group("expert_shard"))
+        else:
+            experts = device_mesh._unflatten("dp_replicate", (layout.dp_replicate // layout.ep, layout.ep),
+                                             ("edp", "ep"))
+            edp_group = experts.get_group("edp")
+        ep_group = experts.get_group("ep")
         label_group(edp_group, "edp")
         label_group(ep_group, "ep")
     host_group = new_host_group("host", timeout) if dist.get_backend() != "gloo" else None
     return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
-                ep_group=ep_group, edp_group=edp_group, host_group=host_group, device_mesh=device_mesh)
+                ep_group=ep_group, edp_group=edp_group, expert_mesh=experts, host_group=host_group,
+                device_mesh=device_mesh)
 
 
 def new_host_group(label: str, timeout: Optional[datetime.timedelta] = None) -> dist.ProcessGroup:
@@ -254,8 +268,9 @@ def mesh_groups(mesh: Mesh) -> list[dist.ProcessGroup]:
     groups: list[dist.ProcessGroup] = []
     candidates: list[Optional[dist.ProcessGroup]] = [mesh.tp_group, mesh.dp_group, mesh.ep_group, mesh.edp_group,
                                                      mesh.host_group]
-    if mesh.device_mesh is not None:
-        candidates += mesh.device_mesh.get_all_groups()
+    for device_mesh in (mesh.device_mesh, mesh.expert_mesh):
+        if device_mesh is not None:
+            candidates += device_mesh.get_all_groups()
     for group in candidates:
         if group is None or group is dist.GroupMember.WORLD or any(group is g for g in groups):
             continue

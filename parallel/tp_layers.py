@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.tp_ops import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
+from parallel.tp_ops import Group, all_reduce, gather_from_tp, group_rank, group_size, reduce_from_tp
 
 
 def shard(full: torch.Tensor, dim: int, group: Group, logical_numel: Optional[int] = None) -> nn.Parameter:

@@ -55,7 +55,9 @@ def _train(run_dir: Path, overrides: list[str], mesh=None, starve: bool = False)
         trainer.train()
     finally:
         loop_module.balance_experts, moe_module.dispatch = real_balance, real_dispatch
-    experts = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if ".experts." in n}
+    # (under FSDP2 a rank's experts are a DTensor sharded over expert_shard: gathered whole)
+    experts = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for n, p in trainer.model.named_parameters() if ".experts." in n}
     return {"experts": experts, "bias": [layer.expert_bias.clone() for _, layer in moe_layers(trainer.model)],
             "balance": balance, "dispatches": dispatches, "ep_rank": trainer.mesh.ep_rank,
             "tp_rank": trainer.mesh.tp_rank, "ep": trainer.mesh.ep}
@@ -80,7 +82,13 @@ def _ep_worker(rank: int, world: int, run_dir: str, overrides: list[str], starve
     (2, ["parallel.ep=2"], ["optim.muon.normuon=true"], 2, 1, False),
     # the auxiliary loss over the global batch
     (2, ["parallel.ep=2"], ["model.aux_loss_coef=0.01"], 2, 1, False),
-], ids=["ep2", "ep4_starved", "ep2_edp2", "ep2_tp2", "ep2_accum2", "ep2_normuon", "ep2_aux_loss"])
+    # FSDP2: the experts a unit of their own over the dp_shard ranks that hold the same ones
+    (2, ["parallel.dp_shard=2", "parallel.ep=2"], [], 2, 1, False),
+    pytest.param(4, ["parallel.dp_shard=4", "parallel.ep=2"], [], 1, 2, False, marks=pytest.mark.slow),
+    pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"], ["optim.muon.normuon=true"],
+                 1, 1, False, marks=pytest.mark.slow),  # HSDP
+], ids=["ep2", "ep4_starved", "ep2_edp2", "ep2_tp2", "ep2_accum2", "ep2_normuon", "ep2_aux_loss", "fsdp2_ep2",
+     "fsdp4_ep2_accum2", "hsdp2x2_ep2_normuon"])
 def test_expert_parallel_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum,
                                                                 starve):
     tp = 2 if "parallel.tp=2" in layout else 1
@@ -89,8 +97,13 @@ def test_expert_parallel_training_tracks_the_single_process_run(tmp_path, world,
     results = run_distributed(_ep_worker, world, str(tmp_path / "par"),
                               options + layout + [f"trainer.batch_size={per_rank}", f"trainer.grad_accum={accum}"],
                               starve)
-    sharded = read_metrics(tmp_path / "par")
-    assert_tracks(losses(sharded), losses(read_metrics(tmp_path / "single")), 1e-5)
+    sharded, reference = read_metrics(tmp_path / "par"), read_metrics(tmp_path / "single")
+    assert_tracks(losses(sharded), losses(reference), 1e-5)
+    # The health metrics sum each family over the ranks holding its parts (experts over EP).
+    health = [k for k in reference[-1] if k.startswith(("optim/update_rms/", "model/weight_rms/"))]
+    assert "model/weight_rms/experts" in health
+    for key in health:
+        assert sharded[-1][key] == pytest.approx(reference[-1][key], rel=1e-4), key
     # Every expert, from the rank that holds it, within 1e-6 of the single-process weights.
     ep = results[0]["ep"]
     for name, full in single["experts"].items():
@@ -143,20 +156,24 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     assert checked == 9 and len({d["received"] for d in dispatches}) > 1
 
 
-# (dp, tp, ep) saved -> loaded: each rank writes its experts at their place in the logical
-# stack, and a load at another layout reads the experts (or TP shards of them) it now holds.
+# (dp, tp, ep, dp_shard) saved -> loaded: each rank writes its experts (under FSDP2 its rows of
+# them) at their place in the logical stack, and a load at another layout reads the experts
+# (or TP shards of them) it now holds.
 @pytest.mark.parametrize("saved, loaded", [
-    ((2, 1, 2), (2, 1, 2)),  # exact
-    ((2, 1, 2), (1, 1, 1)),
-    pytest.param((2, 1, 2), (1, 2, 1), marks=pytest.mark.slow),  # into TP-split experts
-    pytest.param((1, 2, 1), (2, 1, 2), marks=pytest.mark.slow),
-], ids=["ep2-resume", "ep2-to-single", "ep2-to-tp2", "tp2-to-ep2"])
+    ((2, 1, 2, 1), (2, 1, 2, 1)),  # exact
+    ((2, 1, 2, 1), (1, 1, 1, 1)),
+    pytest.param((2, 1, 2, 1), (1, 2, 1, 1), marks=pytest.mark.slow),  # into TP-split experts
+    pytest.param((1, 2, 1, 1), (2, 1, 2, 1), marks=pytest.mark.slow),
+    ((2, 1, 2, 2), (2, 1, 2, 2)),  # FSDP2 with EP, exact
+    pytest.param((2, 1, 2, 2), (2, 1, 1, 1), marks=pytest.mark.slow),  # into ZeRO-1 without EP
+], ids=["ep2-resume", "ep2-to-single", "ep2-to-tp2", "tp2-to-ep2", "fsdp-ep2-resume", "fsdp-ep2-to-zero1"])
 def test_expert_parallel_checkpoints_resume_at_any_layout(tmp_path, saved, loaded):
     from tests.test_checkpoint import assert_continues_like, run_layout
 
     def run(run_dir, layout, mode):
-        dp, tp, ep = layout
-        run_layout(run_dir, dp, tp, mode, model="moe_tiny", options=(f"parallel.ep={ep}", *MUON))
+        dp, tp, ep, shard = layout
+        run_layout(run_dir, dp, tp, mode, model="moe_tiny",
+                   options=(f"parallel.ep={ep}", f"parallel.dp_shard={shard}", *MUON))
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, saved, "train")

@@ -42,8 +42,8 @@ def test_minus_one_is_the_rest_of_the_world(world, keys, layout):
                     "parallel.dp_* keys)"),
     (8, {"tp": 2, "ep": 3}, "parallel.ep=3 does not divide the 4 data-parallel ranks (parallel.dp_replicate x "
                             "parallel.dp_shard on 8 processes (the number torchrun started))"),
-    (4, {"dp_shard": 2, "ep": 2}, "parallel.ep=2 with parallel.dp_shard=2: expert parallelism runs with ZeRO-1 "
-                                  "(parallel.dp_shard=1) so far"),
+    (8, {"dp_shard": 4, "ep": 3}, "parallel.ep=3 does not divide parallel.dp_shard=4 (under FSDP2 the experts are "
+                                  "spread over the ranks that shard the parameters)"),
     (4, {"ep": 0}, "parallel.ep=0 must be a positive number of ranks"),
 ])
 def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, line):

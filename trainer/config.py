@@ -117,7 +117,7 @@ class ParallelConfig:
     # Expert parallelism for MoE models: the experts are spread over groups of `ep`
     # data-parallel ranks (each rank holds n_experts / ep of them, whole) and every routed token
     # goes to its expert's rank and back by all-to-all. It must divide the data-parallel ranks
-    # and model.n_experts; ZeRO-1 only (dp_shard = 1) so far. See docs/moe.md.
+    # (dp_shard under FSDP2, else dp_replicate) and model.n_experts. See docs/moe.md.
     ep: int = 1
     # FSDP2 (dp_shard > 1): free each block's gathered parameters after its forward and gather
     # them again for its backward (less memory), or keep them to the backward (one all-gather

@@ -21,7 +21,7 @@ from eval.flops import device_peak_flops, train_flops_per_token
 from eval.health import HealthStats
 from parallel.comm import COUNTER as COMM, all_gather_object, barrier, region, world
 from model.gpt import GPT
-from model.moe import balance_experts, reset_routing_stats
+from model.moe import balance_experts, moe_layers, reset_routing_stats
 from model.parallelize import parallelize_moe, parallelize_tp
 from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
@@ -64,8 +64,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.dev
         # FSDP2 over what TP left on this rank: bf16 compute from fp32 master weights under
         # trainer.precision=bf16, fp32 gradient reduction either way.
         param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else None
-        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), param_dtype,
-                   cfg.parallel.reshard_after_forward)
+        experts = [layer.experts for _, layer in moe_layers(model)] if mesh.ep > 1 else []
+        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), param_dtype, cfg.parallel.reshard_after_forward,
+                   experts, fsdp_mesh(mesh.expert_mesh, "expert_shard") if experts else None)
     return model
 
 
