@@ -19,6 +19,8 @@ The steps, in this order, each in its own process with its own time limit:
   ns-method       bench_ns_method.py --dtype bf16 --stack 0: standard against Gram Newton-Schulz
   muon-step       bench_optimizer.py at gpt_124m in bf16: the Muon step against its FLOP floor
   moe_1b          bench_train.py, moe_1b with Muon, batch 8 x 2048 (fewer rounds than bench-gpu)
+  ep-dispatch     bench_ep_dispatch.py at moe_1b, 8 x 2048, bf16: expert parallelism's code path
+                  on a group of one rank against off (the dispatch's own cost, its host sync included)
 
 The whole check has one time budget (--budget seconds). Every step runs whether or not an
 earlier one failed; its time limit is its own or what is left of the budget, whichever is less,
@@ -162,6 +164,9 @@ def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int) 
              [py, script("bench_train.py"), "--models", "moe_1b", "--modes", "compiled", "--precisions", "bf16",
               "--optims", "muon", "--batch-size", "8", "--seq-len", "2048", "--warmup", "2", "--rounds", "2",
               "--steps", "5", "--no-reference"], 200, 100),
+        Step("ep-dispatch", "bench_ep_dispatch moe_1b, batch 8 x 2048, bf16, EP path on against off",
+             [py, script("bench_ep_dispatch.py"), "--model", "moe_1b", "--batch", "8", "--seq-len", "2048",
+              "--warmup", "2", "--repeats", "5"], 120, 40),
     ]
     return steps
 
@@ -462,6 +467,8 @@ def render(check: Check) -> str:
     for name in ("gpt_124m", "gpt_124m_0.5M", "moe_1b"):
         if name in by_name:
             out += section_tables(f"bench_train.py: {by_name[name].step.what}", by_name[name], keep="| model |")
+    if "ep-dispatch" in by_name:
+        out += section_tables(f"bench_ep_dispatch.py: {by_name['ep-dispatch'].step.what}", by_name["ep-dispatch"])
     return "\n".join(out)
 
 

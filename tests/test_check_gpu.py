@@ -187,9 +187,11 @@ def test_dry_run_names_every_step_and_a_missing_plain_step(tmp_path, monkeypatch
     monkeypatch.delenv("PLAIN_STEP", raising=False)
     assert check_gpu.main(["--dry-run", "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
-    for name in ("machine", "test-gpu", "plain", "gpt_124m", "gpt_124m_0.5M", "ns-method", "muon-step", "moe_1b"):
+    for name in ("machine", "test-gpu", "plain", "gpt_124m", "gpt_124m_0.5M", "ns-method", "muon-step", "moe_1b",
+                 "ep-dispatch"):
         assert f"\n{name} (time limit" in out
     assert "plain_gpt_step.py not found" in out and str(tmp_path / "shared" / "bench") in out
     assert "-m pytest -m gpu" in out and "--tokens-per-step 524288" in out
     assert "bench_ns_method.py --dtype bf16 --stack 0" in out and "--models moe_1b" in out
+    assert "bench_ep_dispatch.py --model moe_1b" in out
     assert not (tmp_path / "o").exists()  # a dry run writes nothing

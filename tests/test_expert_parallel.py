@@ -146,3 +146,36 @@ def test_divisibility_check_names_the_keys():
 def test_counts_must_match_rows():
     with pytest.raises(ValueError, match="counts sum to 3 rows but x_sorted has 2"):
         dispatch(torch.zeros(2, D_IN), torch.tensor([1, 2]), None)
+
+
+def _one_rank_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from model.moe import moe_layers
+
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, ffn_hidden=64, vocab_size=61,
+                      n_experts=4, top_k=2, n_shared_experts=1, expert_hidden=16, n_dense_layers=1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, 61, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, group in (("off", None), ("on", dist.group.WORLD)):
+        for _, layer in moe_layers(model):
+            layer.ep_group = group
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        out[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_the_ep_path_on_a_group_of_one_computes_what_the_plain_path_does():
+    """What scripts/bench_ep_dispatch.py times: the EP path on one rank (its all-to-alls are
+    copies) gives the plain layer's loss and gradients."""
+    result = run_distributed(_one_rank_worker, 1)[0]
+    (loss_off, grads_off), (loss_on, grads_on) = result["off"], result["on"]
+    torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=0)
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-6, atol=1e-7, msg=name)
