@@ -177,17 +177,17 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Group) -> tor
 
 
 def all_to_all_into(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group: Group) -> torch.Tensor:
+                    group: Group, label: Optional[str] = None) -> torch.Tensor:
     """out <- the rank-ordered pieces every rank sends this one: x's rank-major pieces of
     `in_splits` elements go one to each rank, `out_splits` come back (uneven splits are fine).
-    Counted by the elements this rank sends."""
+    Counted by the elements this rank sends, under `label` where given (the group's otherwise)."""
     if group_size(group) == 1:
         return out.copy_(x.reshape(out.shape))
     start = time.perf_counter()
-    with _comm_region(group, "all_to_all"):
+    with _comm_region(group, "all_to_all", label):
         dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), output_split_sizes=out_splits,
                                input_split_sizes=in_splits, group=group)
-    COUNTER.record(group, "all_to_all", _nbytes(x), time.perf_counter() - start)
+    COUNTER.record(group, "all_to_all", _nbytes(x), time.perf_counter() - start, label)
     return out
 
 

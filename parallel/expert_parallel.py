@@ -20,8 +20,9 @@ What: EP rank r holds the contiguous experts [r*E/ep, (r+1)*E/ep). The MoE layer
 that were dispatched. Both are differentiable: the all-to-all's backward is the inverse
 all-to-all (swapped splits), and the regrouping is plain indexing.
 
-Every collective goes through parallel.comm, so its bytes are counted under the group's label
-(label the group "ep": `comm/ep/all_to_all`). `ep_bytes` states what one rank sends.
+Every collective goes through parallel.comm, so its bytes are counted, always as
+`comm/ep/all_to_all` (the EP group may be the very group that also serves as DP, when ep = dp,
+whose label names ZeRO's traffic). `ep_bytes` states what one rank sends.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from parallel.comm import Group, all_to_all_into, group_size
+
+LABEL = "ep"  # the counters' name for the dispatch's traffic
 
 
 def check_expert_parallel(n_experts: int, ep: int) -> None:
@@ -53,7 +56,7 @@ def _all_to_all_rows(x: torch.Tensor, out_rows: list[int], in_rows: list[int], g
     row = _row_elements(x)
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
     # comm counts splits in elements; a block of zero rows is a zero split, which is fine.
-    return all_to_all_into(out, x, [n * row for n in out_rows], [n * row for n in in_rows], group)
+    return all_to_all_into(out, x, [n * row for n in out_rows], [n * row for n in in_rows], group, LABEL)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -132,7 +135,7 @@ def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor,
     # recv_counts[s, j]: rows source rank s sends for this rank's local expert j. The counts
     # for destination r are the contiguous block r of `counts`, so one even all-to-all does it.
     recv_counts = torch.empty(ep, local, dtype=torch.int64, device=counts.device)
-    all_to_all_into(recv_counts, counts.contiguous(), [local] * ep, [local] * ep, group)
+    all_to_all_into(recv_counts, counts.contiguous(), [local] * ep, [local] * ep, group, LABEL)
 
     # The one host sync of the layer: both count matrices at once.
     sent, received = torch.stack([counts.view(ep, local), recv_counts]).tolist()

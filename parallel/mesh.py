@@ -227,12 +227,6 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
     device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     tp_group = device_mesh.get_group("tp")
     dp_group = device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-    # Where torch hands one group to two roles (a flattened dimension over a single non-trivial
-    # one), the roles the training step's metrics name (comm/dp/*, comm/tp/*) win.
-    label_group(device_mesh.get_group("dp_replicate"), "dp_replicate")
-    label_group(device_mesh.get_group("dp_shard"), "dp_shard")
-    label_group(tp_group, "tp")
-    label_group(dp_group, "dp")
     ep_group = edp_group = experts = None
     if layout.ep > 1:
         if layout.dp_shard > 1:  # FSDP2: the experts are sharded over expert_shard
@@ -245,8 +239,16 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
                                              ("edp", "ep"))
             edp_group = experts.get_group("edp")
         ep_group = experts.get_group("ep")
+        # Labelled before the step's roles below, which win where torch hands one group to two
+        # of them (ep = dp): the dispatch names its own traffic (comm/ep/*).
         label_group(edp_group, "edp")
         label_group(ep_group, "ep")
+    # Where torch hands one group to two roles (a flattened dimension over a single non-trivial
+    # one), the roles the training step's metrics name (comm/dp/*, comm/tp/*) win.
+    label_group(device_mesh.get_group("dp_replicate"), "dp_replicate")
+    label_group(device_mesh.get_group("dp_shard"), "dp_shard")
+    label_group(tp_group, "tp")
+    label_group(dp_group, "dp")
     host_group = new_host_group("host", timeout) if dist.get_backend() != "gloo" else None
     return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
                 ep_group=ep_group, edp_group=edp_group, expert_mesh=experts, host_group=host_group,
