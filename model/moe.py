@@ -125,6 +125,9 @@ class MoE(nn.Module):
         self.tp_group: Group = None
         self.ep_group: Group = None
         self.dp_group: Group = None
+        # Whether the EP path runs (set_ep_group): a plain flag, so that torch.compile's graphs
+        # never read the group itself (a traced group outlives the run in them).
+        self.expert_parallel = False
 
     def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], gate values [N, k], scores [N, E]) for N tokens, in fp32."""
@@ -159,7 +162,7 @@ class MoE(nn.Module):
         experts = torch.arange(self.n_experts, device=ids.device)
         ends = torch.searchsorted(sorted_ids, experts, right=True)
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        if self.ep_group is not None:  # (a group of one too: what scripts/bench_ep_dispatch.py times)
+        if self.expert_parallel:
             y = self._experts_over_ep(x_experts, token_of, ends)
         else:
             y = self.experts(x_experts[token_of], ends)
@@ -180,6 +183,14 @@ class MoE(nn.Module):
                 self.aux_loss = self.balance_loss(scores, counts)
         return out.view(batch, seq, dim)
 
+    def set_ep_group(self, group: Group) -> None:
+        """Spread the experts over `group` (parallelize_moe), or not (None). A group of one runs
+        the EP path too: what scripts/bench_ep_dispatch.py times."""
+        self.ep_group, self.expert_parallel = group, group is not None
+
+    # Outside torch.compile's graphs, whole: its dispatch syncs with the host and breaks the graph
+    # anyway, and traced, the EP group would become a graph value that outlives the run.
+    @torch.compiler.disable
     def _experts_over_ep(self, x: torch.Tensor, token_of: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for the expert-sorted pairs, with the experts spread over the
         EP group: this rank's pairs go to their experts' ranks, which run them, and come back.

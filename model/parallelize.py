@@ -120,7 +120,7 @@ def parallelize_moe(model: GPT, ep_group: Group, tp_group: Group, dp_group: Grou
             mine.ep_split_dim = 0  # the checkpoint places it at expert `first` of the logical stack
             mine.logical_numel = getattr(layer.experts, name).numel()
             setattr(layer.experts, name, mine)
-        layer.ep_group = ep_group
+        layer.set_ep_group(ep_group)
         layer.experts.grad_group = tp_group  # each TP rank runs its part of the tokens
     return model
 

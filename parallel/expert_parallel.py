@@ -119,6 +119,9 @@ def _regroup_index(recv_counts: torch.Tensor, n_received: int) -> torch.Tensor:
     return starts[segment] + (position - dst_start[segment])
 
 
+# Outside torch.compile's graphs: a host sync on data-dependent sizes and collectives with
+# host-side bookkeeping, which would break the graph anyway.
+@torch.compiler.disable
 def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor,
              group: Group) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send rows to their experts' EP ranks; returns (x_local, local_ends, handle).
@@ -156,6 +159,7 @@ def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor,
     return x_received[order], local_ends, handle
 
 
+@torch.compiler.disable
 def combine(y_local: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """The inverse of `dispatch`: y_local [R, ...] (rows in x_local's order) -> y_sorted [N, ...],
     row i the output for x_sorted's row i. Differentiable; no host sync."""

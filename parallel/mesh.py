@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -289,8 +290,6 @@ def release_dtensor_caches() -> None:
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:  # the C++ cache (torch 2.10 and later)
         clear()
-    import sys
-
     if "torch.distributed.tensor" not in sys.modules:
         return  # nothing made a DTensor: no Python-side cache to clear
     from torch.distributed.tensor import DTensor
@@ -305,8 +304,18 @@ def release_dtensor_caches() -> None:
     gc.collect()  # the meshes those entries held may sit in reference cycles
 
 
+def release_compiled_graphs() -> None:
+    """Drop torch.compile's compiled frames and guards, if anything compiled in this process:
+    they hold the modules they ran on and what those read, process groups included (the MoE
+    layer's EP group), which would outlive destroy_process_group like the DTensor caches."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
 def destroy_mesh() -> None:
     if dist.is_initialized():
+        release_compiled_graphs()
         release_dtensor_caches()
         dist.destroy_process_group()
 
@@ -320,6 +329,7 @@ def release_subgroups(mesh: Mesh) -> None:
     """
     if not dist.is_initialized():
         return
+    release_compiled_graphs()
     release_dtensor_caches()
     for group in mesh_groups(mesh):
         dist.destroy_process_group(group)

@@ -57,7 +57,7 @@ def main() -> None:
 
             def step(ep_group) -> None:
                 for layer in layers:
-                    layer.ep_group = ep_group
+                    layer.set_ep_group(ep_group)
                 with autocast:
                     loss = model(x[:, :-1], x[:, 1:])
                 loss.backward()

@@ -163,7 +163,7 @@ def _one_rank_worker(rank: int, world: int) -> dict:
     out = {}
     for name, group in (("off", None), ("on", dist.group.WORLD)):
         for _, layer in moe_layers(model):
-            layer.ep_group = group
+            layer.set_ep_group(group)
         loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         out[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})

@@ -87,8 +87,10 @@ def _ep_worker(rank: int, world: int, run_dir: str, overrides: list[str], starve
     pytest.param(4, ["parallel.dp_shard=4", "parallel.ep=2"], [], 1, 2, False, marks=pytest.mark.slow),
     pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"], ["optim.muon.normuon=true"],
                  1, 1, False, marks=pytest.mark.slow),  # HSDP
+    # compiled: the dispatch stays outside the graphs
+    pytest.param(2, ["parallel.ep=2"], ["trainer.compile=true"], 2, 1, False, marks=pytest.mark.slow),
 ], ids=["ep2", "ep4_starved", "ep2_edp2", "ep2_tp2", "ep2_accum2", "ep2_normuon", "ep2_aux_loss", "fsdp2_ep2",
-     "fsdp4_ep2_accum2", "hsdp2x2_ep2_normuon"])
+     "fsdp4_ep2_accum2", "hsdp2x2_ep2_normuon", "ep2_compiled"])
 def test_expert_parallel_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, accum,
                                                                 starve):
     tp = 2 if "parallel.tp=2" in layout else 1

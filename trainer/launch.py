@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from optim.newton_schulz import release_buffers
 from trainer.config import TrainConfig
 from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags
-from parallel.mesh import Mesh, destroy_mesh, release_subgroups
+from parallel.mesh import Mesh, destroy_mesh, release_compiled_graphs, release_subgroups
 from parallel.slurm import torch_env_from_slurm
 
 # conf/config.yaml puts this in place of the ${now:} stamp of the run and sweep dirs.
@@ -218,9 +218,7 @@ def end_job(mesh: Mesh | None, multirun: bool, tf32_before: TF32Flags) -> None:
     elif mesh is not None:
         # The next job joins the same default group (see release_subgroups); it goes at exit.
         release_subgroups(mesh)
-    dynamo = sys.modules.get("torch._dynamo")  # only if something compiled in this process
-    if dynamo is not None:
-        dynamo.reset()
+    release_compiled_graphs()  # (a single process has no mesh to release them with)
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()  # normally already finished by the metric sinks; this covers errors
