@@ -166,9 +166,11 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     ((2, 1, 2, 1), (1, 1, 1, 1)),
     pytest.param((2, 1, 2, 1), (1, 2, 1, 1), marks=pytest.mark.slow),  # into TP-split experts
     pytest.param((1, 2, 1, 1), (2, 1, 2, 1), marks=pytest.mark.slow),
+    pytest.param((2, 1, 2, 1), (4, 1, 4, 1), marks=pytest.mark.slow),  # one expert a rank
     ((2, 1, 2, 2), (2, 1, 2, 2)),  # FSDP2 with EP, exact
     pytest.param((2, 1, 2, 2), (2, 1, 1, 1), marks=pytest.mark.slow),  # into ZeRO-1 without EP
-], ids=["ep2-resume", "ep2-to-single", "ep2-to-tp2", "tp2-to-ep2", "fsdp-ep2-resume", "fsdp-ep2-to-zero1"])
+], ids=["ep2-resume", "ep2-to-single", "ep2-to-tp2", "tp2-to-ep2", "ep2-to-ep4", "fsdp-ep2-resume",
+     "fsdp-ep2-to-zero1"])
 def test_expert_parallel_checkpoints_resume_at_any_layout(tmp_path, saved, loaded):
     from tests.test_checkpoint import assert_continues_like, run_layout
 
