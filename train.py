@@ -37,6 +37,7 @@ from trainer.config import layout_keys, register_configs, to_dataclass, validate
 from trainer.device import DeviceError
 from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
+from trainer.run_lock import RunLocked, claim, held, planned_run_dir
 from parallel.mesh import check_layout, destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
 from trainer.sinks import check_sink_packages
@@ -110,8 +111,18 @@ def main(cfg: DictConfig) -> float:
 
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    tf32_before = start_job(typed, hydra_cfg)
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    # Usually taken by __main__ below, before Hydra wrote into the dir. Taken here for what it
+    # could not name: each job of a sweep (its own dir), a task the submitit launcher started.
+    try:
+        job_lock = None if held(run_dir) else claim(run_dir)
+    except (RunLocked, OSError) as err:
+        exit_bad_input(err)
+    lock = held(run_dir)
+    if lock is not None and lock.took_over:
+        log.warning(lock.took_over)
+        lock.took_over = None
+    tf32_before = start_job(typed, hydra_cfg)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
     trainer: Trainer | None = None
     try:
@@ -140,6 +151,8 @@ def main(cfg: DictConfig) -> float:
         raise
     finally:
         end_job(trainer.mesh if trainer is not None else None, multirun, tf32_before)
+        if job_lock is not None:
+            job_lock.release()
     # The return value is what Hydra sweepers optimise: the final in-domain val loss.
     return final.get("val/val/loss", float("nan"))
 
@@ -155,4 +168,18 @@ if __name__ == "__main__":
     sys.argv += extra_args
     if os.environ.get("RANK", "0") != "0" and not composes(sys.argv[1:], str(Path(__file__).parent / "conf")):
         exit_silently(2)  # rank 0 prints Hydra's message about the command line, once for all ranks
-    main()
+    # The run dir's lock, taken before Hydra writes .hydra/ and the job log into the dir: a run
+    # refused here leaves the holder's dir exactly as it was.
+    run_lock = None
+    planned = planned_run_dir(sys.argv[1:], str(Path(__file__).parent / "conf"))
+    if planned is not None:
+        sys.argv += planned[1]
+        try:
+            run_lock = claim(planned[0])
+        except (RunLocked, OSError) as err:  # RunLocked: another run holds it; OSError: a dir we cannot write
+            exit_bad_input(err)
+    try:
+        main()
+    finally:
+        if run_lock is not None:
+            run_lock.release()
