@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.test_faults import wait_for_step
 from trainer import run_lock
 from trainer.run_lock import LOCK_NAME, RunLock, RunLocked, claim, held, planned_run_dir, read_holder
 
@@ -248,17 +249,6 @@ def start(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 def logged(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
-            return
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.05)
-    raise TimeoutError("the run did not reach the step")
 
 
 def refusal_line(run_dir: Path, holder: dict) -> str:
