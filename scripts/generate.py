@@ -118,6 +118,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
+                                 ("--top-k", args.top_k, 0), ("--temperature", args.temperature, 0)):
+        if not value >= minimum:  # before the checkpoint is read
+            print(f"error: {flag} must be >= {minimum}, got {value}", file=sys.stderr)
+            return 2
     from trainer.checkpoint_files import CheckpointError
 
     device = torch.device(args.device)

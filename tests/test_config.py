@@ -91,6 +91,17 @@ def test_unknown_preset_is_reported():
         (["parallel.timeout_s=0"], "parallel.timeout_s"),
         (["optim.qk_clip.enabled=true", "optim.qk_clip.tau=0"], "optim.qk_clip.tau"),
         (["optim.qk_clip.enabled=true", "model.qk_norm=true"], "model.qk_norm"),
+        # out of range: each used to end in a traceback, or (grad_clip) to switch clipping off
+        (["optim.muon.momentum=1.5"], "optim.muon.momentum"),
+        (["optim.beta1=-0.1"], "optim.beta1"),
+        (["optim.beta2=1.5"], "optim.beta2"),
+        (["optim.eps=0"], "optim.eps"),
+        (["optim.muon.eps=0"], "optim.muon.eps"),
+        (["optim.muon.ns_steps=0"], "optim.muon.ns_steps"),
+        (["optim.weight_decay=-0.1"], "optim.weight_decay"),
+        (["optim.grad_clip=-1"], "optim.grad_clip"),
+        (["model.d_model=0"], "model.d_model"),
+        (["model.ffn_hidden=0"], "model.ffn_hidden"),
     ],
 )
 def test_validate_names_the_offending_key(overrides, key):
@@ -131,6 +142,8 @@ def test_cli_reports_bad_values_in_one_line_without_traceback(args, needle):
     ("optim.muon.adjust_lr=bogus", "error: optim.muon.adjust_lr: unknown value 'bogus'"),
     ("optim.muon.ns_method=bogus", "error: optim.muon.ns_method: unknown value 'bogus' (expected one of standard, gram, auto)"),
     ("optim.muon.normuon_beta2=1.5", "error: optim.muon.normuon_beta2 must lie in [0, 1), got 1.5"),
+    ("optim.grad_clip=-1", "error: optim.grad_clip=-1.0 must be >= 0 (0 turns clipping off)"),
+    ("model.d_model=0", "error: model.d_model must be >= 1, got 0"),
     ("model.score_func=bogus", "error: model.score_func: unknown value 'bogus' (expected one of sigmoid, softmax)"),
     ("+trainer.max_step=3", "error: trainer.max_step: no such key (did you mean trainer.max_steps?)"),
     ("+optim.muon.coefs=1", "error: optim.muon.coefs: no such key (did you mean optim.muon.coefficients?)"),

@@ -103,3 +103,15 @@ def test_generation_stops_once_every_row_emitted_eos():
     stopped = generate(gpt_step(model), prompt, 20, eos_id=eos)
     first = greedy[0, 4:].tolist().index(eos)
     assert torch.equal(stopped, greedy[:, : 4 + first + 1])
+
+
+@pytest.mark.parametrize("flag, value, line", [
+    ("--max-new-tokens", "-5", "error: --max-new-tokens must be >= 1, got -5"),
+    ("--num-samples", "0", "error: --num-samples must be >= 1, got 0"),
+    ("--temperature", "-1", "error: --temperature must be >= 0, got -1.0"),
+])
+def test_bad_generation_options_are_one_line_before_the_checkpoint_is_read(tmp_path, capsys, flag, value, line):
+    from scripts.generate import main
+
+    assert main([str(tmp_path / "no_such_run"), flag, value]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]

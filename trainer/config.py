@@ -241,6 +241,8 @@ def validate(cfg: TrainConfig) -> None:
     # Checked on dense models too: a typo there is still a typo.
     _choice("model.score_func", m.score_func, ("sigmoid", "softmax"))
     _positive("model.n_layers", m.n_layers)
+    _positive("model.d_model", m.d_model)
+    _positive("model.ffn_hidden", m.ffn_hidden)
     _positive("model.n_heads", m.n_heads)
     _positive("model.n_kv_heads", m.n_kv_heads)
     if m.d_model % m.n_heads:
@@ -260,8 +262,18 @@ def validate(cfg: TrainConfig) -> None:
     _choice("optim.muon.ns_method", o.muon.ns_method, NS_METHODS)
     if (ns_problem := ns_by_shape_problem(o.muon.ns_method, o.muon.ns_by_shape)) is not None:
         raise ConfigError(ns_problem)
-    if not 0 <= o.muon.normuon_beta2 < 1:
-        raise ConfigError(f"optim.muon.normuon_beta2 must lie in [0, 1), got {o.muon.normuon_beta2}")
+    for key, value in (("optim.muon.normuon_beta2", o.muon.normuon_beta2), ("optim.muon.momentum", o.muon.momentum),
+                       ("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= value < 1:  # also rejects NaN
+            raise ConfigError(f"{key} must lie in [0, 1), got {value}")
+    for key, value in (("optim.eps", o.eps), ("optim.muon.eps", o.muon.eps)):
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    _positive("optim.muon.ns_steps", o.muon.ns_steps)
+    if not o.weight_decay >= 0:
+        raise ConfigError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    if not o.grad_clip >= 0:  # a negative value used to turn clipping off without a word
+        raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 turns clipping off)")
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
