@@ -176,8 +176,11 @@ if __name__ == "__main__":
         sys.argv += planned[1]
         try:
             run_lock = claim(planned[0])
-        except (RunLocked, OSError) as err:  # RunLocked: another run holds it; OSError: a dir we cannot write
+        except RunLocked as err:  # another run holds it
             exit_bad_input(err)
+        except OSError as err:  # a dir that cannot be made or written (read-only, under /proc)
+            exit_bad_input(ValueError(f"hydra.run.dir={planned[0]}: the run dir cannot be written "
+                                      f"({err.strerror or err}: {err.filename or planned[0]})"))
     try:
         main()
     finally:

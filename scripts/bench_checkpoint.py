@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, model: str, batch: int, seq_len: int, steps: 
                     t0 = time.perf_counter()
                     trainer.save_checkpoint(final=False)
                     blocked = time.perf_counter() - t0
-            trainer.commit_checkpoint()
+            trainer.checkpoints.commit()
             dist.barrier()
             out[mode].append((time.perf_counter() - start, blocked))
     return out

@@ -4,7 +4,8 @@
     python scripts/export_hf.py outputs/muon_gpt_tiny/RUN/checkpoints/step_00000200 OUT --dtype bf16
 
 CHECKPOINT is a checkpoint (a step_<N> dir, or an older single-file step_<N>.pt), a run's
-checkpoints/ dir or a run dir (then the checkpoint its `latest` pointer names). Checkpoints
+checkpoints/ dir or a run dir (then its newest checkpoint that is not suspect: after a
+divergence stop, the one `last_good` names; see docs/checkpoints.md). Checkpoints
 store logical tensors whatever the (DP, TP) layout of the run that saved them, so TP- and
 ZeRO-sharded runs export the same way.
 
@@ -35,23 +36,32 @@ from trainer.run_env import RUN_TOKENIZER_DIR  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names."""
+def resolve_checkpoint(path: Path, allow_suspect: bool = False) -> Path:
+    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names: for a
+    directory, its newest checkpoint that is not suspect (after a divergence stop, `last_good`;
+    with `allow_suspect`, `latest`). A suspect checkpoint named outright is refused unless
+    `allow_suspect`."""
     if path.is_dir() and not checkpoint_files.is_sharded(path):
         directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        latest = directory / "latest"
-        if latest.exists():
-            return directory / latest.read_text().strip()
         found = checkpoint_files.checkpoints_in(directory)
-        if not found:
-            raise checkpoint_files.CheckpointError(f"{path}: no checkpoint found in this directory")
-        return found[0]
+        latest = directory / "latest"
+        if allow_suspect and latest.exists() and (directory / latest.read_text().strip()) in found:
+            return directory / latest.read_text().strip()
+        trusted = found[0] if allow_suspect and found else checkpoint_files.newest_trusted(directory)
+        if trusted is None:
+            raise checkpoint_files.CheckpointError(
+                f"{path}: no checkpoint found in this directory" if not found else
+                f"{directory}: no checkpoint is known good (all are listed in {checkpoint_files.SUSPECT_FILE}); "
+                "pass --allow-suspect to use the newest anyway")
+        return trusted
+    if not allow_suspect:
+        checkpoint_files.refuse_suspect(path, "--allow-suspect")
     return path  # checkpoint_files.load names a missing one itself
 
 
-def load_run(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def load_run(path: Path, allow_suspect: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(model config, parameters and persistent buffers, the run's resolved config)."""
-    state = checkpoint_files.load(resolve_checkpoint(path))
+    state = checkpoint_files.load(resolve_checkpoint(path, allow_suspect))
     config = state["config"]
     return model_config(config["model"]), state["params"] | state["buffers"], config
 
@@ -70,7 +80,7 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None, source
     if override is not None:
         return load_trained(Path(override)) if override.endswith(".json") else load_pretrained(override)
     if source is not None:
-        in_run_dir = resolve_checkpoint(source).parent.parent / RUN_TOKENIZER_DIR
+        in_run_dir = resolve_checkpoint(source, allow_suspect=True).parent.parent / RUN_TOKENIZER_DIR
         if in_run_dir.is_dir():
             return load_pretrained(str(in_run_dir))
     known = {f.name for f in fields(DataConfig)}
@@ -97,9 +107,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="weight dtype of the export (fp32 is exact; default fp32)")
     parser.add_argument("--tokenizer", help="tokenizer.json file, or tokenizer dir/name, to use "
                         "instead of the run's")
+    parser.add_argument("--allow-suspect", action="store_true", help="export a checkpoint saved after a "
+                        "non-finite step (listed in checkpoints/suspect.json) all the same")
     args = parser.parse_args(argv)
     try:
-        cfg, tensors, config = load_run(args.checkpoint)
+        cfg, tensors, config = load_run(args.checkpoint, args.allow_suspect)
         tokenizer = run_tokenizer(config, args.tokenizer, args.checkpoint)
         arch = export(cfg, tensors, tokenizer, args.out_dir, DTYPES[args.dtype])
     except (checkpoint_files.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:

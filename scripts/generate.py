@@ -91,7 +91,7 @@ def generate(
     return tokens
 
 
-def load_source(source: Path, device: torch.device) -> tuple[Step, object, int]:
+def load_source(source: Path, device: torch.device, allow_suspect: bool = False) -> tuple[Step, object, int]:
     """(step function, tokenizer, longest sequence) for a checkpoint or an exported dir."""
     if (source / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,7 +102,7 @@ def load_source(source: Path, device: torch.device) -> tuple[Step, object, int]:
     from model.hf_export import gpt_from_tensors
     from scripts.export_hf import load_run, run_tokenizer
 
-    cfg, tensors, config = load_run(source)
+    cfg, tensors, config = load_run(source, allow_suspect)
     model = gpt_from_tensors(cfg, tensors).to(device).eval()
     return gpt_step(model), run_tokenizer(config, source=source), cfg.max_seq_len
 
@@ -117,6 +117,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--allow-suspect", action="store_true", help="sample from a checkpoint saved after a "
+                        "non-finite step (listed in checkpoints/suspect.json) all the same")
     args = parser.parse_args(argv)
     for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1), ("--num-samples", args.num_samples, 1),
                                  ("--top-k", args.top_k, 0), ("--temperature", args.temperature, 0)):
@@ -127,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     device = torch.device(args.device)
     try:
-        step, tokenizer, max_len = load_source(args.source, device)
+        step, tokenizer, max_len = load_source(args.source, device, args.allow_suspect)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

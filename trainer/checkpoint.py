@@ -40,7 +40,8 @@ from data.atomic import atomic_output
 from parallel.comm import all_gather_object, barrier, broadcast_object
 from trainer.checkpoint_files import (
     CORRUPT_SUFFIX, MANIFEST_FILE, META_FILE, SHARDED_FORMAT, CheckpointError, checkpoint_path, checkpoints_in,
-    file_digest, fsync_dir, mark_good, open_checkpoint, rotate, set_aside,
+    SUSPECT_FILE, file_digest, fsync_dir, mark_good, open_checkpoint, refuse_suspect, rotate, set_aside,
+    set_suspect, suspects,
 )
 from trainer.checkpoint_shards import ChunkSavePlanner
 from trainer.checkpoint_state import process_group, rng_json, rng_state, sharded_state
@@ -62,16 +63,17 @@ class PendingSave:
     good: bool
     keep: int
     future: Optional[Future]
+    suspect: Optional[str] = None  # why its weights are not known to be good (None: they may be)
 
 
 def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool = False,
-         background: bool = False, async_group=None) -> PendingSave:
+         background: bool = False, async_group=None, suspect: Optional[str] = None) -> PendingSave:
     """Start writing a checkpoint of the current step; every rank must call, then call
     `commit_pending` (at once, or before the next save and at the end when `background`).
     `background`: DCP copies the tensors to host memory and writes them from a thread while
     training goes on; its collectives use `async_group`, a gloo group of their own, so they
     never interleave with training's. `good`: its weights are already known to be good (see
-    `last_good`)."""
+    `last_good`). `suspect`: why they are not (see checkpoint_files.SUSPECT_FILE)."""
     import torch.distributed.checkpoint as dcp
 
     mesh = trainer.mesh
@@ -98,7 +100,7 @@ def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool
         dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(),
                  process_group=process_group(mesh), no_dist=no_dist)
         future = None
-    return PendingSave(partial, final, trainer.step, good, keep, future)
+    return PendingSave(partial, final, trainer.step, good and suspect is None, keep, future, suspect)
 
 
 def commit_pending(pending: PendingSave, mesh) -> Path:
@@ -119,6 +121,9 @@ def commit_pending(pending: PendingSave, mesh) -> Path:
         with atomic_output(pending.partial / MANIFEST_FILE) as f:
             f.write("".join(f"{d}  {n}\n" for n, d in sorted(everything.items())).encode())
         directory = pending.final.parent
+        # Before the rename: a crash in between leaves a good checkpoint listed, never a
+        # suspect one unlisted.
+        set_suspect(directory, pending.final.name, pending.suspect)
         if pending.final.exists():  # the same step saved again (a resumed run re-reaching it)
             shutil.rmtree(pending.final)
         os.replace(pending.partial, pending.final)
@@ -133,9 +138,11 @@ def commit_pending(pending: PendingSave, mesh) -> Path:
     return pending.final
 
 
-def find_resume(resume: str, directory: Path, mesh=None) -> Optional[dict[str, Any]]:
+def find_resume(resume: str, directory: Path, mesh=None, allow_suspect: bool = False) -> Optional[dict[str, Any]]:
     """`none`: start fresh. A path: that checkpoint (errors are fatal). `auto`: the newest
     checkpoint in `directory` that verifies, falling back to older ones (and saying so).
+    Suspect checkpoints (checkpoint_files.SUSPECT_FILE) are passed over by `auto` and refused
+    as a path, unless `allow_suspect`: after a divergence stop, `auto` resumes from `last_good`.
 
     Collective when `mesh` has several ranks: the ranks share the hashing of a sharded
     checkpoint's files and agree on the verdict. Under `auto`, rank 0 renames unusable
@@ -158,15 +165,30 @@ def find_resume(resume: str, directory: Path, mesh=None) -> Optional[dict[str, A
         return (None if problem else state), problem
 
     if resume != "auto":
+        if not allow_suspect:
+            refuse_suspect(Path(resume), "checkpoint.allow_suspect=true")
         state, problem = verdict(Path(resume))
         if problem:
             raise CheckpointError(problem)
         return state
     candidates = checkpoints_in(directory)
     latest = directory / "latest"
-    if latest.exists():
+    if latest.exists() and (directory / latest.read_text().strip()) in candidates:
         named = directory / latest.read_text().strip()
         candidates = [named] + [c for c in candidates if c != named]
+    if not allow_suspect:
+        listed = suspects(directory)
+        passed = [c for c in candidates if c.name in listed]
+        candidates = [c for c in candidates if c.name not in listed]
+        if passed and not candidates:
+            named = "; ".join(f"{c.name} ({listed[c.name]})" for c in passed)
+            raise CheckpointError(
+                f"no checkpoint in {directory} is known good: {named}. Resume from one anyway with "
+                "checkpoint.resume=PATH checkpoint.allow_suspect=true, or start fresh with checkpoint.resume=none"
+            )
+        if passed and rank == 0:
+            log.warning("passing over suspect checkpoint(s) %s (see %s); resuming from the newest good one",
+                        ", ".join(c.name for c in passed), SUSPECT_FILE)
     earlier = sorted(p.name for p in directory.glob(f"step_*{CORRUPT_SUFFIX}*") if not p.name.endswith(".sha256" + CORRUPT_SUFFIX))
     if world > 1:  # every rank walks the same list, whatever rank 0 renames meanwhile
         candidates, earlier = broadcast_object([candidates, earlier], 0, group, "checkpoint")

@@ -1,5 +1,6 @@
-"""The checkpoint directory on disk: step names, the `latest` and `last_good` pointers,
-manifests and digests, verification, rotation, setting aside, and reading a checkpoint whole.
+"""The checkpoint directory on disk: step names, the `latest` and `last_good` pointers, the
+suspect list, manifests and digests, verification, rotation, setting aside, and reading a
+checkpoint whole.
 
 Nothing here knows a trainer: trainer/checkpoint_state.py turns a trainer into the tensors a
 checkpoint holds and back, and trainer/checkpoint.py saves and finds them across ranks.
@@ -38,6 +39,20 @@ HASH_CHUNK_BYTES = 8 << 20
 CORRUPT_SUFFIX = ".corrupt"
 
 
+# A checkpoint newer than the one a run resumed from in its own dir: the future of a timeline
+# the run abandoned (after a divergence, what came after `last_good`). Set aside rather than
+# deleted; left in place, rotation would keep it and delete the resumed run's own checkpoints.
+ABANDONED_SUFFIX = ".abandoned"
+
+
+# checkpoints/suspect.json: {checkpoint name: why its weights are not known to be good}. A
+# checkpoint saved after a non-finite step (before a finite eval), one whose next step was
+# non-finite, or one left unconfirmed by a divergence stop. Its weights are finite (no NaN is
+# ever saved), but its forward pass may not be: resume=auto, export and sampling pass it over,
+# and use it only when asked (checkpoint.allow_suspect, --allow-suspect).
+SUSPECT_FILE = "suspect.json"
+
+
 STEP_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
@@ -74,6 +89,60 @@ def mark_good(directory: Path, step: int) -> None:
         f.write(checkpoint_path(directory, step).name.encode())
 
 
+def step_of(path: Path) -> int:
+    return int(STEP_NAME.match(path.name).group(1))
+
+
+def suspects(directory: Path) -> dict[str, str]:
+    """The suspect checkpoints of a checkpoints dir, with their reasons (see SUSPECT_FILE)."""
+    file = directory / SUSPECT_FILE
+    if not file.exists():
+        return {}
+    try:
+        listed = json.loads(file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err})") from err
+    return {str(k): str(v) for k, v in listed.items()} if isinstance(listed, dict) else {}
+
+
+def set_suspect(directory: Path, name: str, reason: Optional[str]) -> None:
+    """Record (reason) or clear (None) a checkpoint's suspicion (rank 0 only)."""
+    listed = suspects(directory)
+    if reason is None and name not in listed:
+        return
+    if reason is None:
+        del listed[name]
+    else:
+        listed[name] = reason
+    with atomic_output(directory / SUSPECT_FILE) as f:
+        f.write(json.dumps(listed, indent=1, sort_keys=True).encode())
+
+
+def suspicion(path: Path) -> Optional[str]:
+    """Why the checkpoint at `path` is suspect, or None when it is not."""
+    return suspects(path.parent).get(path.name)
+
+
+def refuse_suspect(path: Path, allow: str) -> None:
+    """A suspect checkpoint is used only when asked: `allow` names how to ask."""
+    reason = suspicion(path)
+    if reason is not None:
+        raise CheckpointError(f"{path}: its weights are suspect ({reason}); use it anyway with {allow}, "
+                              f"or take the last good one ({good_hint(path.parent)})")
+
+
+def good_hint(directory: Path) -> str:
+    good = last_good(directory)
+    return str(good) if good is not None else f"none is known good in {directory}"
+
+
+def newest_trusted(directory: Path) -> Optional[Path]:
+    """The newest checkpoint of a checkpoints dir that is not suspect: after a divergence stop,
+    the `last_good` one; after a preemption, the newest (`latest`)."""
+    listed = suspects(directory)
+    return next((p for p in checkpoints_in(directory) if p.name not in listed), None)
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file, read in chunks: checkpoint files can be larger than memory."""
     digest = hashlib.sha256()
@@ -102,6 +171,7 @@ def rotate(directory: Path, keep: int) -> None:
         else:
             old.unlink()
             old.with_suffix(".sha256").unlink(missing_ok=True)
+        set_suspect(directory, old.name, None)
 
 
 def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
@@ -190,18 +260,39 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def set_aside(path: Path) -> list[Path]:
-    """Rename an unusable checkpoint (and a single file's manifest) to *.corrupt, never over
-    an earlier one, so that a run writing the same step again cannot overwrite them."""
+def set_aside(path: Path, suffix: str = CORRUPT_SUFFIX) -> list[Path]:
+    """Rename an unusable checkpoint (and a single file's manifest) to *.corrupt (or `suffix`),
+    never over an earlier one, so that a run writing the same step again cannot overwrite them;
+    the `latest` and `last_good` pointers then name what is left (rank 0 only)."""
     moved = []
     for file in (path, path.with_suffix(".sha256")) if path.suffix == ".pt" else (path,):
         if not file.exists():
             continue
-        target = file.with_name(file.name + CORRUPT_SUFFIX)
+        target = file.with_name(file.name + suffix)
         n = 1
         while target.exists():
-            target = file.with_name(f"{file.name}{CORRUPT_SUFFIX}.{n}")
+            target = file.with_name(f"{file.name}{suffix}.{n}")
             n += 1
         file.rename(target)
         moved.append(target)
+    _repoint(path.parent, path.name)
     return moved
+
+
+def _repoint(directory: Path, gone: str) -> None:
+    """Neither pointer may name a checkpoint that was set aside: `latest` falls back to the
+    newest one left, `last_good` to the newest one left before it that is not suspect (each
+    of those was confirmed in its turn), or is removed."""
+    left = checkpoints_in(directory)
+    for name, fallback in (("latest", left[:1]),
+                           ("last_good", [p for p in left if step_of(p) < step_of(directory / gone)
+                                          and p.name not in suspects(directory)][:1])):
+        pointer = directory / name
+        if not pointer.exists() or pointer.read_text().strip() != gone:
+            continue
+        if fallback:
+            with atomic_output(pointer) as f:
+                f.write(fallback[0].name.encode())
+        else:
+            pointer.unlink()
+

@@ -186,6 +186,19 @@ def sharded_state(trainer) -> dict[str, Chunks]:
     return out
 
 
+def state_bytes(trainer) -> int:
+    """About what a checkpoint of this run takes on disk, before one was written: every
+    logical parameter and buffer, and the optimizer state, which ZeRO-1, FSDP2 and TP split
+    across the ranks (so this rank's share times the world size)."""
+    params = dict(trainer.model.named_parameters())
+    model = 0
+    for key, chunks in model_chunks(trainer).items():
+        name = key.split("/", 1)[1]
+        size = params[name].element_size() if name in params else chunks.pieces[0][1].element_size()
+        model += math.prod(chunks.size()) * size
+    return model + trainer.optimizer.state_bytes() * trainer.mesh.world_size
+
+
 def restore(trainer, state: dict[str, Any]) -> None:
     """Load a checkpoint (from `find_resume`) into a trainer of any (DP, TP) layout."""
     model, mesh = trainer.model, trainer.mesh

@@ -141,11 +141,14 @@ def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
 class CheckpointConfig:
     # Save every `interval` steps (0: only at the end of the run) into <run_dir>/checkpoints.
     interval: int = 500
-    # "auto": continue from the newest checkpoint in this run dir that verifies, if any (to go
-    # back to checkpoints/last_good after a divergence, pass its path);
+    # "auto": continue from the newest checkpoint in this run dir that verifies and is not
+    # suspect (after a divergence stop: checkpoints/last_good), if any;
     # "none": always start fresh; or the path of a checkpoint (a step_<N> dir, or an older
     # single-file step_<N>.pt) to continue from.
     resume: str = "auto"
+    # Resume from a suspect checkpoint (checkpoints/suspect.json: saved after a non-finite step
+    # and before a finite eval, or left unconfirmed by a divergence stop) all the same.
+    allow_suspect: bool = False
     # Keep the newest `keep` checkpoints, and always the newest good one (checkpoints/last_good:
     # its weights went on to train a finite step), which a diverging run would otherwise rotate out.
     keep: int = 3

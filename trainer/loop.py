@@ -33,16 +33,24 @@ from trainer import device as dev
 from trainer import run_env
 from trainer.config import TrainConfig, layout_keys
 from parallel.fsdp import apply_fsdp, fsdp_mesh, reshard, sync_gradients
-from parallel.mesh import Mesh, init_mesh, new_host_group
+from parallel.mesh import Mesh, init_mesh
 from trainer.precision import resolve_run_precisions
 from trainer.interrupts import exit_if_interrupted_during_start_up
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks
-from trainer.skips import SkipCounter, SkipReport
+from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
+from trainer.skips import SkipCounter
 
 log = logging.getLogger("trainer")
+
+
+# A loss within NOT_LEARNING_MARGIN nats of ln(vocab_size) after the warmup and at least
+# NOT_LEARNING_AFTER steps: the model has learnt nothing. Any learning run is far below it by
+# then (the unigram distribution alone is worth nats).
+NOT_LEARNING_AFTER = 20
+NOT_LEARNING_MARGIN = 0.05
 
 
 class NonFiniteLoss(RuntimeError):
@@ -111,7 +119,8 @@ class Trainer:
             layout_keys(cfg.parallel), self.device, cfg.parallel.backend, cfg.parallel.timeout_s
         )
         self.checkpoint_dir = run_dir / "checkpoints"
-        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh)
+        resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh,
+                                         cfg.checkpoint.allow_suspect)
         # "auto" precisions become what runs (what a resumed run ran), before anything reads them.
         cfg, precision_line = resolve_run_precisions(
             cfg, self.device, self.mesh, resumed["config"] if resumed is not None else None
@@ -167,18 +176,13 @@ class Trainer:
         self.skipped_steps = 0
         # Steps skipped on the device since the host last looked.
         self.skips = SkipCounter(self.device)
-        # The step of the newest checkpoint not yet known to be good: its weights are good once
-        # the step after it trains finite (see _confirm_checkpoint).
-        self.unconfirmed_checkpoint: Optional[int] = None
-        # A checkpoint still being written (checkpoint.async_save), and the gloo group its
-        # background collectives use.
-        self.pending_save: Optional[checkpoint.PendingSave] = None
-        self._async_group = None
+        self.checkpoints = CheckpointKeeper(self, self.checkpoint_dir)
+        self._learning_checked = False  # see _warn_if_not_learning
         if resumed is not None:
             checkpoint_state.restore(self, resumed)
             log.info("resumed from step %d", self.step)
-            if Path(resumed["path"]).parent == self.checkpoint_dir:
-                self.unconfirmed_checkpoint = self.step
+            path = Path(resumed["path"])
+            self.checkpoints.resumed_from(path, checkpoint_files.suspicion(path) is not None)
         self.environment: dict = {}
         if self.mesh.is_main:
             self.environment = run_env.environment(
@@ -348,7 +352,7 @@ class Trainer:
         trainer.nonfinite_max_consecutive steps in a row were skipped. Returns the number of
         steps skipped since the last call."""
         report = self.skips.collect()
-        self._confirm_checkpoint(report)
+        self.checkpoints.note_skips(report)
         if not report.skipped:
             return 0
         self.skipped_steps += report.skipped
@@ -356,35 +360,17 @@ class Trainer:
         if t.nonfinite == "stop":
             raise NonFiniteLoss(
                 f"non-finite loss/gradients at step {report.first}; stopping with trainer.nonfinite=stop. "
-                f"{self.last_good_line()}"
+                f"{self.checkpoints.last_good_line()}"
             )
         if report.longest_run >= t.nonfinite_max_consecutive:
             raise NonFiniteLoss(
                 f"diverged: {report.longest_run} consecutive steps had non-finite loss/gradients "
                 f"(trainer.nonfinite_max_consecutive={t.nonfinite_max_consecutive}; {self.skipped_steps} "
-                f"skipped in all). {self.last_good_line()}"
+                f"skipped in all). {self.checkpoints.last_good_line()}"
             )
         log.warning("non-finite gradients: %d step(s) skipped since step %d (%d so far)",
                     report.skipped, report.first, self.skipped_steps)
         return report.skipped
-
-    def _confirm_checkpoint(self, report: SkipReport) -> None:
-        """A checkpoint's weights are known to be good only once a step has trained on them:
-        the update just before a save can be the one that blows the weights up while they stay
-        finite. So the newest checkpoint becomes `last_good` when the step after it was not
-        skipped. (The save collected the counts, so this report starts at that step.)"""
-        saved = self.unconfirmed_checkpoint
-        if saved is None or report.through <= saved:
-            return
-        self.unconfirmed_checkpoint = None
-        if report.first != saved + 1 and self.mesh.is_main:
-            checkpoint_files.mark_good(self.checkpoint_dir, saved)
-
-    def last_good_line(self) -> str:
-        good = checkpoint_files.last_good(self.checkpoint_dir)
-        if good is None:
-            return f"No good checkpoint was written in {self.checkpoint_dir}."
-        return f"Last good checkpoint: {good}."
 
     def _nonfinite_step(self, stats: dict[str, torch.Tensor | float]) -> dict[str, torch.Tensor | float]:
         """A logging step whose gradients are non-finite (already counted by _collect_skips):
@@ -396,34 +382,29 @@ class Trainer:
         return {**stats, "train/skipped_steps": float(self.skipped_steps)}
 
     def save_checkpoint(self, evaluated: bool = False, final: bool = True) -> None:
-        """`evaluated`: an eval on these very weights just gave finite losses, so the
-        checkpoint is good now rather than after the next step. `final`: nothing follows
-        (the end of the run, a preemption), so it is written at once even under
-        checkpoint.async_save."""
+        """Checkpoint the current step (see CheckpointKeeper.save), unless the run diverged."""
         self._collect_skips()
         with region("checkpoint"):
             if not checkpoint_state.state_is_finite(self):
                 raise NonFiniteLoss(
                     f"diverged: the weights or optimizer state hold NaN/inf at step {self.step}; no checkpoint "
-                    f"was written. {self.last_good_line()}"
+                    f"was written. {self.checkpoints.last_good_line()}"
                 )
-            self.commit_checkpoint()
-            background = self.cfg.checkpoint.async_save and not final
-            if background and self._async_group is None and self.mesh.world_size > 1:
-                self._async_group = new_host_group("async_checkpoint")
-            self.pending_save = checkpoint.save(
-                self, self.checkpoint_dir, self.cfg.checkpoint.keep, self.resolved_config(), good=evaluated,
-                background=background, async_group=self._async_group,
-            )
-            if not background:
-                self.commit_checkpoint()
-        self.unconfirmed_checkpoint = None if evaluated else self.step
+            self.checkpoints.save(evaluated, final)
 
-    def commit_checkpoint(self) -> None:
-        """Finish the checkpoint being written, if any (see checkpoint.commit_pending)."""
-        if self.pending_save is not None:
-            pending, self.pending_save = self.pending_save, None
-            checkpoint.commit_pending(pending, self.mesh)
+    def _warn_if_not_learning(self, step: int, loss: float) -> None:
+        """Once, at the first logging step past the warmup (and past NOT_LEARNING_AFTER steps):
+        a loss still at ln(vocab_size), what a uniform guess scores, means the model has learnt
+        nothing (an lr of 0, a frozen model, labels unrelated to the inputs), and exit code 0
+        would not say so."""
+        if self._learning_checked or step <= max(self.cfg.optim.warmup_steps, NOT_LEARNING_AFTER):
+            return
+        self._learning_checked = True
+        chance = math.log(self.data.vocab_size)
+        if math.isfinite(loss) and loss > chance - NOT_LEARNING_MARGIN and self.mesh.is_main:
+            log.warning("run %s is not learning: train/loss %.4f at step %d is still ln(vocab_size) = %.4f, "
+                        "a uniform guess, past optim.warmup_steps=%d (optim.lr=%g)", self.cfg.name, loss, step,
+                        chance, self.cfg.optim.warmup_steps, self.cfg.optim.lr)
 
     def _check_eval_finite(self, step: int, metrics: dict[str, float]) -> None:
         """Finite weights can still give a NaN/inf loss (weights grown past what the forward
@@ -431,7 +412,8 @@ class Trainer:
         bad = {k: v for k, v in metrics.items() if k.endswith("/loss") and not math.isfinite(v)}
         if bad:
             named = ", ".join(f"{k} {v}" for k, v in bad.items())
-            raise NonFiniteLoss(f"diverged: {named} at step {step}. {self.last_good_line()}")
+            raise NonFiniteLoss(f"diverged: {named} at step {step}. {self.checkpoints.last_good_line()}")
+        self.checkpoints.eval_was_finite()
 
     def evaluate(self) -> dict[str, float]:
         metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group, self.eval_counted)
@@ -447,6 +429,7 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Run to trainer.max_steps; return the metrics of the last log event."""
         exit_if_interrupted_during_start_up()  # before anything of training is written
+        self.checkpoints.warn_if_next_save_will_not_fit()
         cfg, mesh = self.cfg, self.mesh
         t = cfg.trainer
         sinks = None
@@ -458,13 +441,14 @@ class Trainer:
         progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none",
                             cfg.logger.progress_prefix)
         last: dict[str, float] = {}
+        done, metrics = self.step, {}  # the step's row is owed to the log until it is written
         window_start, window_steps = time.perf_counter(), 0
         COMM.reset()
         preemption = PreemptionFlag(self.device)
         profiler = StepProfiler(cfg.profile, self.run_dir / "traces", mesh.rank, self.device)
         try:
             while self.step < t.max_steps:
-                done = self.step + 1
+                done, metrics = self.step + 1, {}
                 profiler.begin(done)
                 if preemption.raised(mesh):
                     progress.message(f"preempted: saving a checkpoint at step {self.step} and exiting")
@@ -475,7 +459,6 @@ class Trainer:
                 stats = self.train_step(measure)
                 window_steps += 1
                 progress.advance()
-                metrics: dict[str, float] = {}
                 if measure:
                     dev.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
@@ -489,6 +472,7 @@ class Trainer:
                     if mesh.world_size > 1:
                         metrics.update(COMM.metrics(window_steps))
                     progress.report(done, metrics["train/loss"], metrics["perf/tokens_per_s"])
+                    self._warn_if_not_learning(done, metrics["train/loss"])
                 eval_due = is_last or (cfg.eval.interval > 0 and done % cfg.eval.interval == 0)
                 if eval_due:
                     with region("eval"):
@@ -515,12 +499,15 @@ class Trainer:
         except NonFiniteLoss:
             # Every rank stops here together (the counts and losses are global): a checkpoint
             # still being written predates the divergence, so it is finished, not dropped.
-            self.commit_checkpoint()
+            self.checkpoints.commit()
+            self.checkpoints.diverged(self.step + 1)
+            raise
+        except DiskFull:
+            if metrics and sinks is not None:  # the step's row, which follows its checkpoint
+                sinks.log(done, self.tokens, metrics)
             raise
         finally:
-            if self._async_group is not None:
-                dist.destroy_process_group(self._async_group)  # the next job of a sweep makes its own
-                self._async_group = None
+            self.checkpoints.close()
             profiler.close()
             preemption.restore()
             progress.close()
