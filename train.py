@@ -29,18 +29,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from data.sources import DataConfigError, check_data_config, check_data_packages
-from model.moe import check_moe_config
-from model.parallelize import check_ep, check_tp_divisibility
+from data.sources import DataConfigError
 from trainer.checkpoint_files import CheckpointError
-from trainer.config import layout_keys, register_configs, to_dataclass, validate
+from trainer.config import register_configs
 from trainer.device import DeviceError
-from trainer.launch import composes, end_job, launch_overrides, quiet_nonzero_rank_logging, start_job
+from trainer.launch import end_job, resume_command, launch_overrides, quiet_nonzero_rank_logging, start_job
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.run_lock import RunLocked, claim, held, planned_run_dir
-from parallel.mesh import check_layout, destroy_mesh, world_size_from_env
+from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
-from trainer.sinks import check_sink_packages
+from trainer.preflight import check_config, config_warnings, preflight
+from trainer.preemption import PREEMPTED_EXIT_CODE
 
 register_configs()
 log = logging.getLogger("train")
@@ -95,17 +94,7 @@ def main(cfg: DictConfig) -> float:
     try:
         adopt_slurm_env()  # before anything reads RANK or LOCAL_RANK
         quiet_nonzero_rank_logging()
-        typed = to_dataclass(cfg)
-        validate(typed)
-        check_layout(world_size_from_env(), layout_keys(typed.parallel))
-        check_moe_config(typed.model)
-        check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
-        check_ep(typed.model, typed.parallel.ep)
-        check_data_config(typed.data)
-        # Optional packages the config switches on: missing, they would stop the run only
-        # after the corpus is built.
-        check_data_packages(typed.data)
-        check_sink_packages(typed.logger)
+        typed = check_config(cfg, world_size_from_env())  # as the preflight did, now per job
     except (ValueError, OmegaConfBaseException) as err:
         exit_bad_input(err)
 
@@ -124,6 +113,9 @@ def main(cfg: DictConfig) -> float:
         lock.took_over = None
     tf32_before = start_job(typed, hydra_cfg)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
+    for line in config_warnings(typed):
+        log.warning(line)
+    resume_line = f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
     trainer: Trainer | None = None
     try:
         trainer = Trainer(typed, run_dir)
@@ -138,11 +130,17 @@ def main(cfg: DictConfig) -> float:
         if not multirun:
             if not print_error(str(err)):
                 exit_silently(3)
+            print(f"{resume_line} (from the last good checkpoint; change what diverged first, e.g. optim.lr)",
+                  file=sys.stderr)
             sys.exit(3)
         # One diverging lr must not cost the rest of the sweep: this job scores NaN.
         log.error("job %s (%s) diverged; the sweep continues: %s",
                   hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults", err)
         return float("nan")
+    except SystemExit as stop:
+        if stop.code == PREEMPTED_EXIT_CODE and trainer is not None and trainer.mesh.is_main:
+            print(resume_line, file=sys.stderr)  # a checkpoint of this very step was just saved
+        raise
     except Exception:
         if multirun:
             # Hydra runs the next job and re-raises this only once the whole sweep is over:
@@ -157,7 +155,12 @@ def main(cfg: DictConfig) -> float:
     return final.get("val/val/loss", float("nan"))
 
 
+# The command line as the user typed it, before __main__ adds overrides of its own: what the
+# resume command repeats.
+USER_ARGV: list[str] = []
+
 if __name__ == "__main__":
+    USER_ARGV = sys.argv[1:]
     try:
         extra_args, extra_env = launch_overrides(sys.argv[1:], os.environ)
     except ValueError as err:
@@ -166,8 +169,12 @@ if __name__ == "__main__":
         sys.exit(2)
     os.environ.update(extra_env)
     sys.argv += extra_args
-    if os.environ.get("RANK", "0") != "0" and not composes(sys.argv[1:], str(Path(__file__).parent / "conf")):
-        exit_silently(2)  # rank 0 prints Hydra's message about the command line, once for all ranks
+    # Every value of every job, checked before Hydra writes the run dir: a bad one is one line
+    # (from rank 0 alone) and exit 2, with nothing written.
+    try:
+        preflight(sys.argv[1:], str(Path(__file__).parent / "conf"), world_size_from_env())
+    except (ValueError, OmegaConfBaseException) as err:
+        exit_bad_input(err)
     # The run dir's lock, taken before Hydra writes .hydra/ and the job log into the dir: a run
     # refused here leaves the holder's dir exactly as it was.
     run_lock = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -240,7 +241,19 @@ def export(
     tokenizer = copy.deepcopy(tokenizer)  # so that setting its length leaves the caller's alone
     tokenizer.model_max_length = cfg.max_seq_len
     tokenizer.save_pretrained(out_dir)
+    usual_permissions(out_dir)
     return architecture(cfg)
+
+
+def usual_permissions(out_dir: Path) -> None:
+    """Give the export's files the mode a plain `open` gives (0644 under the usual umask):
+    the weights are written through a private temp file (0600), which other users, or a serving
+    container running as another user, could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out_dir.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def gpt_from_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> GPT:

@@ -103,7 +103,8 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
         given *= size if size != -1 else 1
     asked = " x ".join(f"{k}={v}" for k, v in sizes.items())
     if world_size % given or (not rest and given != world_size):
-        raise ValueError(f"{asked} does not multiply out to {_world_words(world_size)}")
+        advice = f": start {given} processes (torchrun --nproc_per_node={given} train.py ...)" if world_size == 1 else ""
+        raise ValueError(f"{asked} does not multiply out to {_world_words(world_size)}{advice}")
     if rest:
         sizes[rest[0]] = world_size // given
     layout = Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],

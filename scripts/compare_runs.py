@@ -19,15 +19,26 @@ both ratios are reported as mean +- standard error with a 95% interval (Student'
 in-run ratio is taken within each pair of runs with the same seed; the schedule ratio's error
 comes from the delta method (eval/seeds.py).
 
-Losses are only comparable on the same tokens: runs whose corpus ids (environment.json)
-differ are refused unless --allow-mixed-corpora is given. summary.md names the corpus and
-the environment of every compared run.
+Losses are only comparable on the same tokens and in the same arithmetic: runs whose corpus
+ids (environment.json) differ are refused unless --allow-mixed-corpora is given, and arms whose
+precisions (trainer.precision as it ran, from resolved_config.yaml) differ unless
+--allow-mixed-precision is given; either refusal is one line, exit code 2. summary.md names
+the corpus, the precision and the environment of every compared run.
+
+The in-run table states each loss's logging interval: its steps are crossings interpolated
+between logged points, so a ratio whose two crossings lie within one interval of each other
+is marked as not distinguishable from 1. Curves with few logged points are drawn with markers.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Optional
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,6 +51,17 @@ from eval.seeds import (  # noqa: E402
 )
 
 BEST_KEY = "val/val/loss"
+
+# What trainer.precision can have run in. "auto" in .hydra/config.yaml is what was asked; it
+# resolves per run (to bf16 where bf16 matmuls are fast), so it says nothing about what ran.
+PRECISIONS = ("bf16", "fp32")
+
+# Below this many logged points a bare line hides where the points are, and a single point
+# draws nothing at all: such curves get a marker at every point.
+FEW_POINTS = 20
+
+# What compared runs must share, each with the flag that lets them differ anyway.
+MIX_FLAGS = {"corpus": "--allow-mixed-corpora", "precision": "--allow-mixed-precision"}
 
 
 def loss_keys(runs: list[Run]) -> list[str]:
@@ -71,13 +93,19 @@ def _pyplot():
     return plt
 
 
+def point_marker(n_points: int) -> Optional[str]:
+    """A marker for a curve of few points (a short run's, or a val loss logged twice), none for
+    a dense one, where markers would bury the line."""
+    return "o" if n_points < FEW_POINTS else None
+
+
 def plot_curve(ax, arm: Arm, key: str, curve_of=None) -> None:
     """The arm's mean curve, and a band of +- one standard error when it has several seeds."""
     curve = arm.curve(key, curve_of)
     if curve is None:
         return
     steps, means, ses = curve
-    (line,) = ax.plot(steps, means, label=arm.label)
+    (line,) = ax.plot(steps, means, label=arm.label, marker=point_marker(len(steps)), markersize=4)
     if len(arm.runs) > 1:
         ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
                         color=line.get_color(), alpha=0.25, lw=0)
@@ -210,20 +238,60 @@ def fmt_interval(value: float, se: float | None, half_width: float | None, spec:
     return text
 
 
+def logging_interval(run: Run, key: str) -> Optional[int]:
+    """Steps between a run's logged points of `key`: the commonest gap in its metrics (the
+    last step is logged off the grid, so not the last gap), the larger one on a tie. A series
+    of one point has no gap; then its config's interval (eval.interval for the val/ losses,
+    logger.interval for the rest), None when that is absent too (or 0: only at the end)."""
+    steps = run.series[key][0] if key in run.series else []
+    gaps = Counter(later - earlier for earlier, later in zip(steps, steps[1:]))
+    if gaps:
+        return max(gaps, key=lambda gap: (gaps[gap], gap))
+    section = "eval" if key.startswith("val/") else "logger"
+    interval = (run.config.get(section) or {}).get("interval")
+    return int(interval) if interval else None
+
+
+def resolution(arms: list[Arm], key: str) -> Optional[int]:
+    """The coarsest logging interval of `key` among the arms' runs: the precision to which a
+    crossing step of theirs is known (it is interpolated between logged points)."""
+    intervals = [logging_interval(run, key) for arm in arms for run in arm.runs]
+    return max((i for i in intervals if i is not None), default=None)
+
+
+def within_resolution(steps_b: float, steps_a: float, interval: Optional[int]) -> bool:
+    """Whether B's and A's crossings lie within one logging interval of each other: then the
+    data cannot tell their ratio from 1."""
+    return interval is not None and abs(steps_b - steps_a) <= interval
+
+
+RESOLUTION_NOTE = ("Resolution: B and A steps are crossings interpolated between logged points, so each is "
+                   "known to about one logging interval (\"logged every\", the coarser of A's and B's). A ratio "
+                   "marked \"within resolution\" has its two crossings within one interval of each other: at this "
+                   "resolution it cannot be told from 1.")
+
+
 def in_run_table(a: Arm, b: Arm, keys: list[str], alpha: float) -> list[str]:
-    """Per loss, the in-run ratio of each seed pair of A and B, as mean +- standard error."""
-    lines = ["| loss | A final | B final | B steps | A steps | ratio B/A | at the final loss of |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    """Per loss, the in-run ratio of each seed pair of A and B, as mean +- standard error, with
+    the logging interval that bounds how finely the steps (and so the ratio) are known."""
+    lines = ["| loss | A final | B final | logged every | B steps | A steps | ratio B/A | at the final loss of |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for key in keys:
         r = in_run_ratio_over_seeds(a, b, key, smoothing(alpha))
         if r is None and (a.final(key) is None or b.final(key) is None):
             continue
-        cells = ["-", "-", "-", "-"] if r is None else [
-            f"{r.steps_b:.4g}", f"{r.steps_a:.4g}",
-            fmt_interval(r.ratio.mean, r.ratio.se, r.ratio.half_width_95), r.reference]
+        interval = resolution([a, b], key)
+        cells = [fmt(interval, "d")]
+        if r is None:
+            cells += ["-", "-", "-", "-"]
+        else:
+            ratio = fmt_interval(r.ratio.mean, r.ratio.se, r.ratio.half_width_95)
+            if within_resolution(r.steps_b, r.steps_a, interval):
+                ratio += ", within resolution"
+            cells += [f"{r.steps_b:.4g}", f"{r.steps_a:.4g}", ratio, r.reference]
         lines.append(f"| {key} | {fmt_estimate(a.final_estimate(key))} | {fmt_estimate(b.final_estimate(key))} | "
                      + " | ".join(cells) + " |")
-    return lines
+    return lines + ["", RESOLUTION_NOTE]
 
 
 def schedule_lengths(a: Arm, arms_b: list[Arm]) -> list[float]:
@@ -329,33 +397,99 @@ def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: lis
     return lines
 
 
-def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: str | None) -> list[str]:
-    """The corpus and environment of every compared run: what the figures below are on."""
-    lines = ["## Runs", ""]
-    if mixed:
-        lines += [f"**Mixed corpora (--allow-mixed-corpora): {mixed}.** Loss differences below mix "
-                  "the optimizers' effect with the data's.", ""]
-    else:
-        lines += [f"Corpus: {a.corpus} (every run)", ""]
+@functools.lru_cache(maxsize=None)
+def _resolved_precision(run_dir: Path) -> Optional[str]:
+    """trainer.precision in <run_dir>/resolved_config.yaml, which the trainer writes with "auto"
+    resolved; None when the run (one from before that file) has none."""
+    resolved = run_dir / "resolved_config.yaml"
+    if not resolved.exists():
+        return None
+    return _config_precision(yaml.safe_load(resolved.read_text()) or {})
+
+
+def _config_precision(config: dict) -> Optional[str]:
+    value = (config.get("trainer") or {}).get("precision")
+    return value if value in PRECISIONS else None
+
+
+def run_precision(run: Run) -> str:
+    """What a run trained in: its resolved_config.yaml's trainer.precision, else an explicit
+    bf16 or fp32 in its .hydra/config.yaml (an explicit value runs as given); "unknown" for an
+    "auto" run that recorded no resolution, or a run without a config (TensorBoard only)."""
+    return _resolved_precision(run.path) or _config_precision(run.config) or "unknown"
+
+
+def arm_precision(arm: Arm) -> str:
+    """An arm's precision; "bf16+fp32" when "auto" resolved differently for its seeds (on
+    other machines), so that it matches no arm run in either alone."""
+    return "+".join(sorted({run_precision(run) for run in arm.runs}))
+
+
+def mixed_precisions(arms: list[Arm]) -> Optional[str]:
+    """None when every run of the arms ran in one precision; else one line naming each arm and
+    its precision. bf16 and fp32 runs of one setting reach different losses, so a difference
+    between such arms would mix the optimizers' effect with the arithmetic's."""
+    if len({run_precision(run) for arm in arms for run in arm.runs}) < 2:
+        return None
+    named = ", ".join(f"{arm.label} in {arm_precision(arm)} ({arm.path})" for arm in arms)
+    return f"arms ran in different precisions: {named}"
+
+
+def refuse_mixed(mixed: dict[str, Optional[str]], args: argparse.Namespace) -> None:
+    """Exit 2 with one line on the first thing (a key of MIX_FLAGS) that the compared runs do not
+    share, unless its --allow-mixed-* flag was given: checked before anything is written."""
+    for what, line in mixed.items():
+        flag = MIX_FLAGS[what]
+        if line and not getattr(args, flag.lstrip("-").replace("-", "_")):
+            print(f"error: {line}; pass {flag} to compare them anyway", file=sys.stderr)
+            sys.exit(2)
+
+
+def mixtures(runs: list[Run], arms: list[Arm]) -> dict[str, Optional[str]]:
+    """For each key of MIX_FLAGS, the line naming how the compared runs differ in it (None when
+    they do not)."""
+    return {"corpus": mixed_corpora(runs), "precision": mixed_precisions(arms)}
+
+
+def shared_lines(arms: list[Arm], mixed: dict[str, Optional[str]]) -> list[str]:
+    """The corpus and the precision every run shares, or a bold line for each that is mixed
+    (with its --allow-mixed-* flag): whatever differs is part of every loss difference below."""
+    corpus = (f"**Mixed corpora (--allow-mixed-corpora): {mixed['corpus']}.** Loss differences below mix "
+              "the optimizers' effect with the data's." if mixed["corpus"] else f"Corpus: {arms[0].corpus} (every run)")
+    precision = (f"**Mixed precisions (--allow-mixed-precision): {mixed['precision']}.** Loss differences below "
+                 "mix the optimizers' effect with the arithmetic's." if mixed["precision"]
+                 else f"Precision: {arm_precision(arms[0])} (every run)")
+    return [corpus, "", precision, ""]
+
+
+def describe(run: Run) -> str:
+    """Run.describe() with the run's precision after its label: "muon lr=0.01: precision fp32;
+    corpus ...; <environment> (<path>)"."""
+    rest = run.describe().removeprefix(f"{run.label}: ")
+    return f"{run.label}: precision {run_precision(run)}; {rest}"
+
+
+def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: dict[str, Optional[str]]) -> list[str]:
+    """The corpus, precision and environment of every compared run: what the figures below are on."""
+    lines = ["## Runs", ""] + shared_lines([a, b, *longer], mixed)
     for side, arm in (("A", a), ("B", b)):
         for run in arm.runs:
             seed = f" seed {run.seed}" if len(arm.runs) > 1 else ""
-            lines.append(f"- {side}{seed} = {run.describe()}")
-    lines += [f"- B, longer: {run.describe()}" for arm in longer for run in arm.runs]
+            lines.append(f"- {side}{seed} = {describe(run)}")
+    lines += [f"- B, longer: {describe(run)}" for arm in longer for run in arm.runs]
     return lines + [""]
 
 
 def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinished: list[str], out: Path,
-                     allow_mixed: bool) -> None:
-    """summary.md for runs of a single optimizer: the corpus, every run's final losses with
-    the best lr marked (per schedule length when the lengths differ), and what was left out."""
-    mixed = mixed_corpora(runs)
-    if mixed and not allow_mixed:
-        sys.exit(f"error: {mixed}; pass --allow-mixed-corpora to compare them anyway")
+                     args: argparse.Namespace) -> None:
+    """summary.md for runs of a single optimizer: the corpus and precision, every run's final
+    losses with the best lr marked (per schedule length when the lengths differ), and what was
+    left out."""
+    mixed = mixtures(runs, arms)
+    refuse_mixed(mixed, args)
     lengths = {arm.final_step(BEST_KEY) for arm in arms}
-    corpus = f"**Mixed corpora (--allow-mixed-corpora): {mixed}.**" if mixed else f"Corpus: {runs[0].corpus} (every run)"
-    report = ["## Runs", "", corpus, ""]
-    report += [f"- {run.describe()}" for run in runs] + [""]
+    report = ["## Runs", ""] + shared_lines(arms, mixed)
+    report += [f"- {describe(run)}" for run in runs] + [""]
     if unfinished:
         report += ["Not compared, unfinished (fewer steps logged than trainer.max_steps):", ""]
         report += [f"- {reason}" for reason in unfinished] + [""]
@@ -375,8 +509,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("comparison"))
     parser.add_argument("--longer", nargs="+", type=Path, default=[],
                         help="runs (or sweep dirs) of B's optimizer with longer schedules, for the schedule ratio")
-    parser.add_argument("--allow-mixed-corpora", action="store_true",
+    parser.add_argument(MIX_FLAGS["corpus"], action="store_true",
                         help="compare runs whose corpus ids differ (their losses are on other tokens)")
+    parser.add_argument(MIX_FLAGS["precision"], action="store_true",
+                        help="compare arms that ran in different precisions (bf16 vs fp32, or unknown)")
     args = parser.parse_args()
 
     loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
@@ -396,7 +532,7 @@ def main() -> None:
     if len(selected) < 2 and swept and not longer:
         # An lr sweep of one optimizer (tuning it alone, or at one longer schedule): its table
         # is the result, and there is no second optimizer to compare it with.
-        write_sweep_only(arms, selected, loaded, unfinished, args.out, args.allow_mixed_corpora)
+        write_sweep_only(arms, selected, loaded, unfinished, args.out, args)
         return
     if len(selected) < 2:
         sys.exit(f"error: need two runs to compare, found {[r.label for r in selected]}")
@@ -407,9 +543,8 @@ def main() -> None:
             sys.exit(f"error: --longer run {arm.path} is {arm.optimizer}, not B's optimizer {b.optimizer}")
     if longer and a.final_step(BEST_KEY) is None:
         sys.exit(f"error: run {a.path} logged no {BEST_KEY}, which the schedule ratio needs")
-    mixed = mixed_corpora(loaded + longer_runs)
-    if mixed and not args.allow_mixed_corpora:
-        sys.exit(f"error: {mixed}; pass --allow-mixed-corpora to compare them anyway")
+    mixed = mixtures(loaded + longer_runs, arms + longer)
+    refuse_mixed(mixed, args)
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [run for arm in selected for run in arm.runs]

@@ -73,10 +73,14 @@ def test_ewm_is_bias_corrected_and_follows_the_recurrence():
 
 
 def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None,
-              seed: int | None = None) -> None:
+              seed: int | None = None, precision: str | None = None, every: int = 1) -> None:
     """A run dir as train.py leaves it; with `corpus`, also its environment.json; with `seed`,
-    a config that names it (runs without one are never grouped as seeds of one setting)."""
+    a config that names it (runs without one are never grouped as seeds of one setting); with
+    `precision`, the resolved_config.yaml that records what trainer.precision ran in. `losses`
+    are logged every `every` steps, from step `every` on."""
     (path / ".hydra").mkdir(parents=True)
+    if precision is not None:
+        (path / "resolved_config.yaml").write_text(f"trainer:\n  precision: {precision}\n")
     if corpus is not None:
         env = {"git": {"commit": "0123456789abcdef", "dirty": False}, "python": "3.11.7", "torch": "2.13.0",
                "cuda": None, "device": "Test CPU", "world_size": 1, "layout": {"dp": 1, "tp": 1},
@@ -85,7 +89,7 @@ def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus
     seed_line = "" if seed is None else f"seed: {seed}\n"
     (path / ".hydra" / "config.yaml").write_text(f"{seed_line}optim:\n  name: {optimizer}\n  lr: {lr}\n")
     with open(path / "metrics.jsonl", "w") as f:
-        for step, loss in enumerate(losses, start=1):
+        for step, loss in zip(range(every, every * (len(losses) + 1), every), losses):
             f.write(json.dumps({"step": step, "tokens": step * 10, "train/loss": loss,
                                 "val/val/loss": loss + 0.1, "val/ood_prose/loss": loss + 1}) + "\n")
 
@@ -237,7 +241,7 @@ def test_cli_refuses_runs_on_different_corpora_in_one_line(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
     write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="bbbbbbbbbbbb")
     proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
-    assert proc.returncode != 0 and not (tmp_path / "cmp").exists()
+    assert proc.returncode == 2 and not (tmp_path / "cmp").exists()
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: runs trained on different corpora")
     assert "aaaaaaaaaaaa" in lines[0] and "bbbbbbbbbbbb" in lines[0] and "--allow-mixed-corpora" in lines[0]
@@ -260,16 +264,17 @@ def test_cli_refuses_a_longer_run_on_another_corpus_and_a_run_without_one(tmp_pa
     assert proc.returncode != 0 and "corpus unknown" in proc.stderr
 
 
-def test_summary_states_the_corpus_and_each_sides_environment(tmp_path):
-    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa")
-    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa")
+def test_summary_states_the_corpus_precision_and_each_sides_environment(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa", precision="fp32")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa", precision="fp32")
     proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
     assert proc.returncode == 0, proc.stderr
     summary = (tmp_path / "cmp" / "summary.md").read_text().splitlines()
     assert "Corpus: aaaaaaaaaaaa (every run)" in summary
+    assert "Precision: fp32 (every run)" in summary
     env = "corpus aaaaaaaaaaaa; commit 0123456789; Python 3.11.7, torch 2.13.0; Test CPU x 1 (dp 1, tp 1)"
-    assert f"- A = muon lr=0.001: {env} ({tmp_path / 'muon'})" in summary
-    assert f"- B = adamw lr=0.001: {env} ({tmp_path / 'adamw'})" in summary
+    assert f"- A = muon lr=0.001: precision fp32; {env} ({tmp_path / 'muon'})" in summary
+    assert f"- B = adamw lr=0.001: precision fp32; {env} ({tmp_path / 'adamw'})" in summary
 
 
 def test_a_run_resumed_on_another_corpus_matches_neither(tmp_path):
@@ -356,3 +361,144 @@ def test_a_legend_per_panel_for_a_few_arms_and_one_below_the_figure_for_many(n_a
         # below the axes: its anchor is at the figure's bottom edge
         assert fig.legends[0].get_bbox_to_anchor().y0 == pytest.approx(0.0)
     plt.close(fig)
+
+
+def test_cli_refuses_arms_in_different_precisions_in_one_line_unless_allowed(tmp_path):
+    """trainer.precision=auto resolves per run: a bf16 arm beside an fp32 arm is refused like
+    mixed corpora (one line, exit 2, nothing written); the flag compares them, said in bold."""
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], corpus="aaaaaaaaaaaa", precision="bf16")
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5], corpus="aaaaaaaaaaaa", precision="fp32")
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode == 2 and not (tmp_path / "cmp").exists()
+    named = (f"muon lr=0.001 in bf16 ({tmp_path / 'muon'}), adamw lr=0.001 in fp32 ({tmp_path / 'adamw'})")
+    assert proc.stderr.strip().splitlines() == [
+        f"error: arms ran in different precisions: {named}; pass --allow-mixed-precision to compare them anyway"]
+
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"), "--allow-mixed-precision")
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "cmp" / "summary.md").read_text().splitlines()
+    assert f"**Mixed precisions (--allow-mixed-precision): arms ran in different precisions: {named}.** " \
+           "Loss differences below mix the optimizers' effect with the arithmetic's." in summary
+    assert any(line.startswith("- A = muon lr=0.001: precision bf16; corpus aaaaaaaaaaaa;") for line in summary)
+    assert any(line.startswith("- B = adamw lr=0.001: precision fp32; corpus aaaaaaaaaaaa;") for line in summary)
+
+
+def test_an_auto_run_without_its_resolution_is_unknown_and_an_explicit_one_counts(tmp_path):
+    """.hydra/config.yaml holds what was asked: "auto" says nothing about what ran, so such a
+    run (from before resolved_config.yaml) is "unknown" and refused beside an fp32 one; an
+    explicit fp32 ran as fp32."""
+    import scripts.compare_runs as cr
+
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0], precision="fp32")
+    for name, asked in (("auto", "auto"), ("explicit", "fp32")):
+        write_run(tmp_path / name, "adamw", 1e-3, [3.0, 2.5])
+        config = tmp_path / name / ".hydra" / "config.yaml"
+        config.write_text(config.read_text() + f"trainer:\n  precision: {asked}\n")
+    # resolved_config.yaml wins over the asked "auto"
+    write_run(tmp_path / "resolved", "adamw", 1e-3, [3.0, 2.5], precision="bf16")
+    config = tmp_path / "resolved" / ".hydra" / "config.yaml"
+    config.write_text(config.read_text() + "trainer:\n  precision: auto\n")
+    assert [cr.run_precision(load_run(tmp_path / n)) for n in ("muon", "auto", "explicit", "resolved")] == [
+        "fp32", "unknown", "fp32", "bf16"]
+
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "auto"))
+    assert proc.returncode == 2 and f"adamw lr=0.001 in unknown ({tmp_path / 'auto'})" in proc.stderr
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "explicit"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Precision: fp32 (every run)" in proc.stdout.splitlines()
+
+
+def test_seeds_on_which_auto_resolved_differently_form_a_mixed_arm(tmp_path):
+    """Seeds of one setting run on other machines can resolve "auto" differently: the arm is
+    "bf16+fp32", refused even alone, and never taken for a bf16 or an fp32 arm."""
+    import scripts.compare_runs as cr
+    from eval.seeds import group_arms
+
+    write_run(tmp_path / "s0", "muon", 1e-3, [3.0, 2.0], seed=0, precision="bf16")
+    write_run(tmp_path / "s1", "muon", 1e-3, [3.0, 2.1], seed=1, precision="fp32")
+    write_run(tmp_path / "s2", "muon", 1e-3, [3.0, 2.2], seed=2, precision="fp32")
+    (arm,) = group_arms([load_run(tmp_path / n) for n in ("s0", "s1", "s2")])
+    assert cr.arm_precision(arm) == "bf16+fp32"
+    assert cr.mixed_precisions([arm]) == f"arms ran in different precisions: muon lr=0.001 (3 seeds) in bf16+fp32 " \
+                                         f"({tmp_path / 's0'})"
+    (fp32,) = group_arms([load_run(tmp_path / n) for n in ("s1", "s2")])
+    assert cr.arm_precision(fp32) == "fp32" and cr.mixed_precisions([fp32]) is None
+
+
+def test_a_sweep_of_one_optimizer_in_mixed_precisions_is_refused(tmp_path):
+    write_run(tmp_path / "sweep" / "0", "adamw", 1e-3, [3.0, 2.0], precision="fp32")
+    write_run(tmp_path / "sweep" / "1", "adamw", 3e-3, [3.0, 2.1], precision="bf16")
+    proc = compare(tmp_path, str(tmp_path / "sweep"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1
+    assert "adamw lr=0.001 in fp32" in lines[0] and "adamw lr=0.003 in bf16" in lines[0]
+    proc = compare(tmp_path, str(tmp_path / "sweep"), "--allow-mixed-precision")
+    assert proc.returncode == 0, proc.stderr
+    assert "**Mixed precisions (--allow-mixed-precision): arms ran in different precisions:" in proc.stdout
+
+
+@pytest.mark.parametrize("n_points, marker", [(1, "o"), (5, "o"), (19, "o"), (20, "None"), (100, "None")])
+def test_curves_with_few_points_are_drawn_with_markers(n_points, marker):
+    """A run that logged one point would otherwise draw a line of zero length: nothing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.compare import Run
+    from eval.seeds import Arm
+    from scripts.compare_runs import plot_curve
+
+    steps = list(range(10, 10 * (n_points + 1), 10))
+    run = Run(Path("r"), "muon", 1e-3, {"val/val/loss": (steps, [1.0 / s for s in steps])})
+    fig, ax = plt.subplots()
+    plot_curve(ax, Arm([run]), "val/val/loss")
+    (line,) = ax.lines
+    assert line.get_marker() == marker
+    assert list(line.get_xdata()) == steps and line.get_label() == "muon lr=0.001"
+    plt.close(fig)
+
+
+def test_the_logging_interval_is_read_from_the_steps_or_else_the_config():
+    from eval.compare import Run
+    from scripts.compare_runs import logging_interval
+
+    config = {"logger": {"interval": 25}, "eval": {"interval": 50}}
+    # the last step is logged off the grid: the commonest gap counts, not the last one
+    run = Run(Path("r"), "muon", 1e-3, {"train/loss": ([10, 20, 30, 35], [4.0, 3.0, 2.0, 1.9]),
+                                        "val/val/loss": ([35], [2.0])}, config=config)
+    assert logging_interval(run, "train/loss") == 10
+    assert logging_interval(run, "val/val/loss") == 50  # one point: eval.interval from the config
+    run.series["train/loss"] = ([35], [1.9])
+    assert logging_interval(run, "train/loss") == 25  # logger.interval
+    run.config = {"eval": {"interval": 0}}  # evaluated only at the end: no interval to state
+    assert logging_interval(run, "val/val/loss") is None and logging_interval(run, "train/loss") is None
+
+
+def in_run_rows(stdout: str) -> dict[str, str]:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## In-run leading steps"))
+    return {line.split("|")[1].strip(): line for line in lines[start:] if line.startswith("| ") and "/" in line}
+
+
+def test_the_in_run_table_states_its_resolution_and_ratios_within_it(tmp_path):
+    """Logged every 10 steps: A reaches B's final loss at step 95.5 (interpolated), B's run ends
+    at 100, 4.5 steps apart: less than one interval, so ratio 1.047 cannot be told from 1.
+    A twofold difference (100 vs 50 steps) is well outside it."""
+    steps = range(10, 101, 10)
+    write_run(tmp_path / "muon", "muon", 1e-3, [10.0 / s for s in steps], every=10)
+    write_run(tmp_path / "close", "adamw", 1e-3, [10.5 / s for s in steps], every=10)
+    write_run(tmp_path / "slow", "adamw", 3e-3, [20.0 / s for s in steps], every=10)
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "close"), "--alpha", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "| loss | A final | B final | logged every | B steps | A steps | ratio B/A | at the final loss of |" \
+        in proc.stdout
+    rows = in_run_rows(proc.stdout)
+    assert rows["train/loss"] == "| train/loss | 0.1000 | 0.1050 | 10 | 100 | 95.5 | 1.047, within resolution | B |"
+    assert rows["val/val/loss"] == "| val/val/loss | 0.2000 | 0.2050 | 10 | 100 | 95.5 | 1.047, within resolution | B |"
+    note = next(line for line in proc.stdout.splitlines() if line.startswith("Resolution: "))
+    assert "one logging interval" in note and "cannot be told from 1" in note
+
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "slow"), "--alpha", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert in_run_rows(proc.stdout)["train/loss"] == "| train/loss | 0.1000 | 0.2000 | 10 | 100 | 50 | 2.000 | B |"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,11 @@ def test_export_writes_safetensors_and_a_loadable_tokenizer(tmp_path, tokenizer)
     text = "def forward(self, y):  return y\n"
     assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
     assert loaded.eos_token == EOS_TOKEN and len(loaded) == cfg.vocab_size
+    # Before: model.safetensors alone came out 0600, unreadable to anyone else.
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_tokenizer_of_another_vocabulary_is_refused(tmp_path, tokenizer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,6 +145,10 @@ def test_killed_or_preempted_run_resumes_to_exactly_the_same_losses(tmp_path, un
         assert code == 143  # saved a checkpoint at a step boundary, then exited
         latest = (tmp_path / "checkpoints" / "latest").read_text()
         assert int(latest[5:13]) >= 8
+        # It says how to go on: the same command line, with its run dir pinned.
+        said = [line for line in proc.stderr.read().splitlines() if line.startswith("to resume: ")]
+        args = [a for a in proc.args[2:] if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={tmp_path}"]
+        assert said == [f"to resume: {shlex.join(['python', 'train.py', *args])}"], said
     else:
         assert code == -signal.SIGKILL
     resumed = launch(tmp_path)  # checkpoint.resume=auto

@@ -3,6 +3,7 @@ travels on the training device, and token / skipped-step counts survive a resume
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,33 @@ def test_deterministic_kernels_train_every_model(tmp_path, model):
     # The next trainer (the next job of a sweep) does not inherit it.
     make_trainer(tmp_path / "next", SMALL + [f"model={model}", "trainer.batch_size=2"])
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def test_train_loss_is_the_mean_over_the_logging_interval_and_loss_last_the_step(tmp_path):
+    """Before: train/loss was the one step's loss every logger.interval steps. The same seed
+    logged every step gives each step's loss to average."""
+    every = ["trainer.batch_size=2", "checkpoint.interval=0", "eval.interval=0"]
+    make_trainer(tmp_path / "every", SMALL + every + ["logger.interval=1"]).train()
+    make_trainer(tmp_path / "fourth", SMALL + every + ["logger.interval=4"]).train()
+    steps = logged(tmp_path / "every", "train/loss_last")
+    assert logged(tmp_path / "every", "train/loss") == steps  # a window of one step
+    means = logged(tmp_path / "fourth", "train/loss")
+    assert sorted(means) == [4, 8]
+    for end, mean in means.items():
+        window = [steps[s] for s in range(end - 3, end + 1)]
+        assert mean == pytest.approx(sum(window) / 4, rel=1e-6)
+        assert logged(tmp_path / "fourth", "train/loss_last")[end] == steps[end]
+    assert means[8] != steps[8]
+
+
+def test_a_skipped_step_is_left_out_of_the_interval_mean(tmp_path):
+    trainer = make_trainer(tmp_path, SMALL + ["trainer.batch_size=2", "logger.interval=4", "checkpoint.interval=0",
+                                              "eval.interval=0", "trainer.nonfinite=skip"])
+    poison_step(trainer, 6)
+    trainer.train()
+    assert math.isfinite(logged(tmp_path, "train/loss")[8])

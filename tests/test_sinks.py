@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,8 +13,9 @@ import pytest
 from data.config import DataConfig, EvalSourceConfig
 from data.sources import MissingPackageError, check_data_packages
 from tests.conftest import REPO, requires
-from trainer.config import LoggerConfig, WandbConfig
-from trainer.sinks import MetricSinks, check_sink_packages
+from data.sources import DataConfigError
+from trainer.config import ConfigError, LoggerConfig, TrainConfig, WandbConfig, validate
+from trainer.sinks import MetricSinks, WandbOnlineError, check_sink_packages, wandb_destination
 
 
 @requires("wandb", "the wandb sink")
@@ -75,6 +77,9 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
     calls = []
 
     class FakeRun:
+        settings = types.SimpleNamespace(sync_dir=str(tmp_path / "wandb" / "offline-run-x"))
+        offline = True
+
         def define_metric(self, name, **kwargs):
             calls.append(("define_metric", name, kwargs))
 
@@ -85,7 +90,7 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
             calls.append(("finish",))
 
     fake = types.SimpleNamespace(init=lambda **kwargs: calls.append(("init", kwargs)) or FakeRun(),
-                                 teardown=lambda: calls.append(("teardown",)))
+                                 teardown=lambda: calls.append(("teardown",)), Settings=dict)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="offline", project="p", group="sweep",
                                                             name="adamw_gpt_tiny optim.lr=0.001"))
@@ -100,6 +105,123 @@ def test_wandb_runs_are_named_and_plot_against_tokens(tmp_path, monkeypatch):
     # finish() only informs wandb's service; teardown() waits until it has written the run's
     # file (without it, 1 close in 6 left the offline .wandb file holding only its header).
     assert calls[-2:] == [("finish",), ("teardown",)]
+
+
+# What wandb 0.31 raised after its init_timeout with no network (the issue's run): a CommError
+# whose first line is the cause, followed by advice.
+NO_NETWORK = ('Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: '
+              'no such host\nConsider increasing the init_timeout setting:\n'
+              '  wandb.init(settings=wandb.Settings(init_timeout=...))')
+
+
+def fail_online(monkeypatch, error: Exception) -> list[dict]:
+    """wandb.init that raises `error` for mode=online, as with no network once init_timeout
+    has passed, and starts a real run otherwise; returns the arguments of every call."""
+    import wandb
+
+    real_init, calls = wandb.init, []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if kwargs["mode"] == "online":
+            raise error
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+    return calls
+
+
+def offline_run_dir(run_dir) -> str:
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    return str(runs[0])
+
+
+def online(**keys) -> LoggerConfig:
+    return LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="online", project="test", group="sweep",
+                                                             name="adamw lr=0.01", **keys))
+
+
+@requires("wandb", "the wandb sink")
+@pytest.mark.parametrize("error, reason", [
+    ("comm", 'CommError: Timed out while retrying: Post "https://api.wandb.ai/graphql": dial tcp: '
+             "lookup api.wandb.ai: no such host"),
+    ("timeout", "TimeoutError"),  # wandb's own wait, past init_timeout, for a silent service
+])
+def test_an_online_start_that_fails_goes_on_offline_with_one_warning(tmp_path, monkeypatch, caplog, error, reason):
+    """Before: about 95 s of waiting, then a 25-line CommError traceback and exit code 1."""
+    import wandb
+
+    calls = fail_online(monkeypatch, wandb.errors.CommError(NO_NETWORK) if error == "comm" else TimeoutError())
+    caplog.set_level(logging.INFO)
+    sinks = MetricSinks(tmp_path, online(init_timeout_s=7.5), "unit", {"optim": {"lr": 0.01}})
+    sinks.log(1, 100, {"train/loss": 5.0})
+    sinks.close()
+
+    assert [call["mode"] for call in calls] == ["online", "offline"]
+    # The offline run is the one the online run would have been: same dir, names and config.
+    same = ("dir", "project", "entity", "group", "name", "config")
+    assert [call[key] for key in same for call in calls[1:]] == [calls[0][key] for key in same]
+    assert (calls[0]["dir"], calls[0]["group"], calls[0]["name"]) == (str(tmp_path), "sweep", "adamw lr=0.01")
+    assert [call["settings"].init_timeout for call in calls] == [7.5, 7.5]
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"wandb: online start failed ({reason}); the run goes on offline "
+                        "(logger.wandb.require_online=true makes this an error)"]
+    run = offline_run_dir(tmp_path)
+    assert f"wandb: offline run in {run}; upload it with `wandb sync {run}`" in caplog.messages
+    # The metrics went on into the offline run, ready for that `wandb sync`.
+    blob = b"".join(f.read_bytes() for f in (tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+    assert b"train/loss" in blob and b"adamw lr=0.01" in blob
+
+
+@requires("wandb", "the wandb sink")
+def test_require_online_makes_a_failed_online_start_a_one_line_error(tmp_path, monkeypatch):
+    import wandb
+
+    calls = fail_online(monkeypatch, wandb.errors.CommError(NO_NETWORK))
+    with pytest.raises(WandbOnlineError) as err:
+        MetricSinks(tmp_path, online(require_online=True), "unit", {})
+    assert str(err.value) == (
+        'logger.wandb.require_online=true: wandb could not start online (CommError: Timed out while retrying: '
+        'Post "https://api.wandb.ai/graphql": dial tcp: lookup api.wandb.ai: no such host); fix the network or '
+        "the key, or let the run go on offline with logger.wandb.require_online=false"
+    )
+    # A DataConfigError is what train.py turns, raised by the Trainer, into this line and exit code 2.
+    assert isinstance(err.value, DataConfigError)
+    assert [call["mode"] for call in calls] == ["online"]
+    # Stopped before any sink wrote: no offline run, no metrics file.
+    assert not list((tmp_path / "wandb").glob("offline-run-*")) and not (tmp_path / "metrics.jsonl").exists()
+
+
+@requires("wandb", "the wandb sink")
+def test_an_offline_run_says_where_it_went(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    sinks = MetricSinks(tmp_path, LoggerConfig(tensorboard=False, wandb=WandbConfig(project="test")), "unit", {})
+    sinks.close()
+    run = offline_run_dir(tmp_path)
+    assert os.path.isabs(run)
+    where = [m for m in caplog.messages if m.startswith("wandb: ")]
+    assert where == [f"wandb: offline run in {run}; upload it with `wandb sync {run}`"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_online_run_says_its_url(tmp_path, monkeypatch):
+    """Online needs a server; the line is built from what the run reports."""
+    import types
+
+    monkeypatch.chdir(tmp_path)
+    run = types.SimpleNamespace(offline=False, url="https://wandb.ai/me/test/runs/abc123",
+                                settings=types.SimpleNamespace(sync_dir="wandb/run-20260101_000000-abc123"))
+    assert wandb_destination(run) == ("wandb: run https://wandb.ai/me/test/runs/abc123 "
+                                      f"(local files in {os.getcwd()}/wandb/run-20260101_000000-abc123)")
+
+
+def test_the_wandb_init_timeout_is_checked_at_start_up():
+    for seconds in (0.0, -5.0):
+        with pytest.raises(ConfigError, match=rf"^logger.wandb.init_timeout_s must be >= 1, got {seconds}$"):
+            validate(TrainConfig(logger=LoggerConfig(wandb=WandbConfig(init_timeout_s=seconds))))
+    validate(TrainConfig(logger=LoggerConfig(wandb=WandbConfig(init_timeout_s=1.0))))
 
 
 # Installed first on sys.meta_path by a sitecustomize.py on PYTHONPATH, so that `import wandb`

@@ -163,3 +163,16 @@ def test_the_run_records_its_corpus_id_and_environment(adamw_run):
     assert hparams["corpus_id"].string_value == corpus_id
     assert hparams["environment.git.commit"].string_value == (head or "null")
     assert hparams["optim.name"].string_value == "adamw"
+
+
+def test_train_log_holds_the_step_loss_and_eval_lines(adamw_run):
+    """Before: train.log had the start-up lines and "saved checkpoint", but no step, loss or eval line."""
+    run_dir, records = adamw_run
+    text = (run_dir / "train.log").read_text()
+    for record in records:
+        if "train/loss" in record:
+            assert f"step {record['step']}/20 | loss {record['train/loss']:.4f} |" in text
+    evals = [r for r in records if "val/val/loss" in r]
+    assert len(evals) == 2
+    for record in evals:
+        assert f"step {record['step']}: val/val/loss {record['val/val/loss']:.4f}" in text

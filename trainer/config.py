@@ -37,8 +37,8 @@ class TrainerConfig:
     seq_len: int = 256
     grad_accum: int = 1
     # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast; "auto": bf16
-    # on CUDA (Ampere and newer) and on CPUs whose bf16 matmul is really faster than fp32
-    # (measured at start-up), fp32 elsewhere. The start-up log says which, and why.
+    # on CUDA (Ampere and newer) and on CPUs with bf16 units (amx_bf16 or avx512_bf16 in the
+    # CPU flags, confirmed by a repeated timing), fp32 elsewhere. The start-up log says which, and why.
     precision: str = "auto"
     # Whether fp32 matmuls on CUDA (every matmul under precision=fp32; under bf16 those outside
     # autocast, e.g. fp32 Newton-Schulz) may run on TF32 tensor cores: about 3 decimal digits
@@ -90,6 +90,12 @@ class WandbConfig:
     # The run's name in wandb: null is the run's `name`, followed in a sweep by the overrides
     # that this job varies (optim.lr=0.001,optim=adamw), so the jobs of a sweep tell apart.
     name: Optional[str] = None
+    # Seconds mode=online waits for wandb's server at start-up (wandb.Settings.init_timeout;
+    # wandb's own default is 90). Then the run goes on offline, with one warning and the
+    # `wandb sync` command in the log, so a flaky network never costs a long job.
+    init_timeout_s: float = 60.0
+    # true: a failed online start stops the run (exit code 2) instead of going on offline.
+    require_online: bool = False
 
 
 @dataclass
@@ -202,12 +208,28 @@ def check_known_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = 
     for key in cfg.keys():
         name = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(fields)})"
-            raise ConfigError(f"{name}: no such key{hint}")
+            raise ConfigError(f"{name}: no such key{_hint(str(key), list(fields), prefix)}")
         sub = types[key]
         if dataclasses.is_dataclass(sub) and isinstance(cfg[key], DictConfig):
             check_known_keys(cfg[key], sub, f"{name}.")
+
+
+def _hint(key: str, known: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(known)})"
+
+
+def key_hint(section: str, key: str) -> str:
+    """" (did you mean optim.lr?)" for an unknown `key` of the dotted `section` ("" for the top
+    level): the nearest key of TrainConfig's schema there, or the keys there are."""
+    schema: Any = TrainConfig
+    for part in filter(None, section.split(".")):
+        sub = typing.get_type_hints(schema).get(part)
+        if not dataclasses.is_dataclass(sub):
+            return ""  # a free-form dict (weight_decay_overrides) or a plain value
+        schema = sub
+    known = [f.name for f in dataclasses.fields(schema)]
+    return _hint(key, known, f"{section}." if section else "")
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -287,9 +309,10 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < o.wsd_decay_fraction <= 1:
         raise ConfigError(f"optim.wsd_decay_fraction must lie in (0, 1], got {o.wsd_decay_fraction}")
 
+    # Checked with the clip off too: turning it on later must not be when a typo surfaces.
+    if not o.qk_clip.tau > 0:
+        raise ConfigError(f"optim.qk_clip.tau must be > 0, got {o.qk_clip.tau}")
     if o.qk_clip.enabled:
-        if not o.qk_clip.tau > 0:
-            raise ConfigError(f"optim.qk_clip.tau must be > 0, got {o.qk_clip.tau}")
         if m.qk_norm:
             # The norm divides out any scale on W_q / W_k rows, so the clip could not act.
             raise ConfigError(
@@ -309,6 +332,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("eval.batch_size", cfg.eval.batch_size)
     _positive("logger.interval", cfg.logger.interval)
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
+    _positive("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
     if cfg.logger.wandb.mode == "online" and not wandb_credentials_found():
         raise ConfigError(
             "logger.wandb.mode=online: no wandb credentials (WANDB_API_KEY unset, no api.wandb.ai entry in "

@@ -7,18 +7,16 @@ each job starts clean and leaves nothing behind for the next.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 import logging
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Mapping
 
 import torch
-from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
@@ -26,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from optim.newton_schulz import release_buffers
 from trainer.config import TrainConfig
+from trainer.preflight import read_command_line
 from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags
 from parallel.mesh import Mesh, destroy_mesh, release_compiled_graphs, release_subgroups
 from parallel.slurm import torch_env_from_slurm
@@ -63,10 +62,12 @@ def shared_run_id(env: Mapping[str, str]) -> str | None:
 
 
 def parse_command_line(argv: list[str]) -> tuple[bool, list[Override]]:
-    """Hydra's own reading of the command line: (multirun?, the overrides)."""
-    with contextlib.redirect_stderr(io.StringIO()):  # Hydra reports a bad command line itself
-        args = get_args_parser().parse_args(argv)
-    return bool(args.multirun), OverridesParser.create().parse_overrides(args.overrides)
+    """Hydra's own reading of the command line: (multirun?, the overrides); ValueError where
+    Hydra's parser refuses it (Hydra reports that itself)."""
+    line = read_command_line(argv)
+    if line is None:
+        raise ValueError("a command line Hydra's parser refuses")
+    return line.multirun, OverridesParser.create().parse_overrides(line.overrides)
 
 
 def job_dirname_overrides(overrides: list[Override]) -> list[str]:
@@ -120,33 +121,16 @@ def launch_overrides(argv: list[str], env: Mapping[str, str]) -> tuple[list[str]
     return extra, extra_env
 
 
-def composes(argv: list[str], config_dir: str) -> bool:
-    """False only when Hydra would refuse this command line's overrides (an unknown key or
-    preset, a value of the wrong type). Ranks other than 0 ask this first and, on False, exit
-    without a word: rank 0 prints Hydra's message once instead of every rank printing it.
-    Anything this check cannot judge (a multirun, another config dir or name, --help) is True,
-    so that no rank ever stops where rank 0 would go on."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            args = get_args_parser().parse_args(argv)
-    except (SystemExit, Exception):
-        return True
-    plain = not any((args.multirun, args.help, args.hydra_help, args.cfg, args.info, args.shell_completion,
-                     args.config_path, args.config_name, args.config_dir, args.experimental_rerun))
-    if not plain:
-        return True
-    try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            compose(config_name="config", overrides=args.overrides)
-    except (HydraException, OmegaConfBaseException):
-        return False
-    except Exception:
-        return True
-    return True
+def resume_command(user_argv: list[str], run_dir: Path, multirun: bool, env: Mapping[str, str] = os.environ) -> str:
+    """The command that continues this run (checkpoint.resume=auto finds its checkpoints): the
+    user's own command line with the run's dir pinned. A sweep is continued whole: each job
+    finds its own dir again. Under torchrun, the launch's own options are not known here."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    directory = run_dir.parent if multirun else run_dir
+    args = [a for a in user_argv if not a.startswith(f"{key}=")] + [f"{key}={directory}"]
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return f"torchrun <the same options> {shlex.join(['train.py', *args])}"
+    return shlex.join(["python", "train.py", *args])
 
 
 def quiet_nonzero_rank_logging() -> None:

@@ -35,6 +35,7 @@ from trainer.config import TrainConfig, layout_keys
 from parallel.fsdp import apply_fsdp, fsdp_mesh, reshard, sync_gradients
 from parallel.mesh import Mesh, init_mesh
 from trainer.precision import resolve_run_precisions
+from trainer.resume_checks import corpus_change, schedule_changes
 from trainer.interrupts import exit_if_interrupted_during_start_up
 from trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from trainer.profiling import StepProfiler
@@ -177,6 +178,8 @@ class Trainer:
         # Steps skipped on the device since the host last looked.
         self.skips = SkipCounter(self.device)
         self.checkpoints = CheckpointKeeper(self, self.checkpoint_dir)
+        # [sum, count] of the finite train losses since the last logging step (train/loss).
+        self.loss_window = torch.zeros(2, device=self.device)
         self._learning_checked = False  # see _warn_if_not_learning
         if resumed is not None:
             checkpoint_state.restore(self, resumed)
@@ -194,7 +197,8 @@ class Trainer:
             run_env.save_tokenizer(run_dir, self.data.tokenizer)
             run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
             if resumed is not None:
-                self._check_resumed_corpus(resumed["config"])
+                for line in corpus_change(resumed["config"], self.data.corpus_id) + schedule_changes(resumed["config"], cfg):
+                    log.warning(line)
             log.info(self.data.startup_line())
             log.info(
                 "model %s: %.2fM parameters on this rank; mesh dp=%d tp=%d; %d tokens per step; corpus %s",
@@ -211,13 +215,6 @@ class Trainer:
         """The config as it runs: "auto" precisions resolved, the model's vocabulary set, and
         the id of the exact corpus it trains on."""
         return {**asdict(replace(self.cfg, model=self.model_cfg)), "corpus_id": self.data.corpus_id}
-
-    def _check_resumed_corpus(self, saved_config: dict) -> None:
-        """A run resumed on other tokens is a different experiment from its first part: say so."""
-        saved = saved_config.get("corpus_id")
-        if saved is not None and saved != self.data.corpus_id:
-            log.warning("resumed on corpus %s, but the checkpoint was trained on corpus %s: the steps "
-                        "after the resume see other data (see environment.json)", self.data.corpus_id, saved)
 
     def _write_resolved_config(self) -> None:
         """<run_dir>/resolved_config.yaml: .hydra/config.yaml holds what was asked ("auto"),
@@ -291,9 +288,12 @@ class Trainer:
         # hands it to the optimizers, which skip a non-finite step on the device, and the
         # host learns of it at its next sync point (_collect_skips): no host sync per step.
         found_inf = (~torch.isfinite(grad_norm)).float()
-        stats: dict[str, torch.Tensor | float] = {"train/loss": loss_sum / t.grad_accum}
+        step_loss = loss_sum / t.grad_accum
+        self._add_to_loss_window(step_loss)
+        stats: dict[str, torch.Tensor | float] = {"train/loss": step_loss}
         self.skips.note(found_inf, self.step + 1)
         if measure:
+            stats.update(self._pop_loss_window(step_loss))
             # Every logging step once any step was skipped: skips collected at a checkpoint
             # between logging steps must reach the metrics too.
             self._collect_skips()
@@ -316,7 +316,6 @@ class Trainer:
         if measure:
             dev.synchronize(self.device)
             stats["perf/optim_step_s"] = time.perf_counter() - t0
-            stats["train/loss"] = all_reduce(stats["train/loss"], mesh.dp_group) / mesh.dp
             stats["optim/grad_norm"] = grad_norm
             stats["optim/lr"] = lr
             stats.update(self.health.update_rms(before, lr))
@@ -331,6 +330,19 @@ class Trainer:
                 stats.update(self.qk_clip.metrics())
         self._advance()
         return stats
+
+    def _add_to_loss_window(self, step_loss: torch.Tensor) -> None:
+        """Sum the step's loss into the logging interval's window, on the device (no host sync).
+        A non-finite step (skipped) is left out and not counted."""
+        finite = torch.isfinite(step_loss)
+        self.loss_window += torch.stack([torch.where(finite, step_loss, 0.0), finite.float()])
+
+    def _pop_loss_window(self, step_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        """train/loss: the mean over the logging interval's finite steps, over every DP rank (NaN
+        when none was finite); train/loss_last: this step's loss alone. Then a new window."""
+        total, count, last = all_reduce(torch.cat([self.loss_window, step_loss.reshape(1)]), self.mesh.dp_group).unbind()
+        self.loss_window.zero_()
+        return {"train/loss": total / count, "train/loss_last": last / self.mesh.dp}
 
     def _advance(self) -> None:
         self.step += 1

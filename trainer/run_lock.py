@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
 import logging
 import os
@@ -365,22 +364,16 @@ def planned_run_dir(argv: list[str], config_dir: str) -> tuple[Path, list[str]] 
     multirun, --help or --cfg, another config, a command line Hydra will refuse): main() takes
     the lock then, once Hydra has named the dir.
     """
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            args = get_args_parser().parse_args(argv)
-    except (SystemExit, Exception):
-        return None
-    if any((args.multirun, args.help, args.hydra_help, args.cfg, args.info, args.shell_completion,
-            args.config_path, args.config_name, args.config_dir, args.experimental_rerun)):
+    from trainer.preflight import compose, read_command_line
+
+    line = read_command_line(argv)
+    if line is None or line.multirun or not line.plain:
         return None
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=args.overrides, return_hydra_config=True)
+        cfg = compose(line.overrides, config_dir, hydra_node=True)
         if OmegaConf.select(cfg, "hydra.mode") == RunMode.MULTIRUN:
             return None
         expression = str(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"])

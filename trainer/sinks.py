@@ -5,12 +5,16 @@ Every sink receives the same names, so a curve found in one is found in the othe
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Iterable, Union
 
-from data.sources import require_package
-from trainer.config import LoggerConfig
+from data.sources import DataConfigError, require_package
+from trainer.config import LoggerConfig, WandbConfig
+
+log = logging.getLogger("sinks")
 
 
 HParam = Union[str, int, float, bool]
@@ -39,6 +43,69 @@ def check_sink_packages(cfg: LoggerConfig) -> None:
         require_package("tensorboard", "logger.tensorboard=true", "switch TensorBoard off with logger.tensorboard=false")
 
 
+class WandbOnlineError(DataConfigError):
+    """logger.wandb.require_online=true and wandb could not start online.
+
+    A DataConfigError only because train.py turns those, raised by the Trainer, into one line
+    on stderr and exit code 2: the user's to fix (network, key, or the switch), not a crash."""
+
+
+def failure_reason(err: BaseException) -> str:
+    """The exception's type and first line: wandb's messages go on with advice over more lines."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def wandb_destination(run: Any) -> str:
+    """Where the run's data goes: its URL when online; offline, its dir and the command that
+    uploads it. WANDB_SILENT keeps wandb from saying so itself."""
+    local = os.path.abspath(run.settings.sync_dir)
+    if run.offline:
+        return f"wandb: offline run in {local}; upload it with `wandb sync {shlex.quote(local)}`"
+    return f"wandb: run {run.url} (local files in {local})"
+
+
+def start_wandb(run_dir: Path, cfg: WandbConfig, name: str, config: dict[str, Any]) -> Any:
+    """The wandb run, under <run_dir>/wandb. An online start that fails (no network, a server
+    that does not answer within cfg.init_timeout_s, a rejected key) goes on offline, with one
+    warning, unless cfg.require_online: then it raises WandbOnlineError."""
+    import wandb
+
+    def init(mode: str) -> Any:
+        return wandb.init(
+            dir=str(run_dir),
+            mode=mode,
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group,
+            name=name,
+            config=config,
+            reinit="finish_previous",
+            settings=wandb.Settings(init_timeout=cfg.init_timeout_s),
+        )
+
+    if cfg.mode != "online":
+        run = init(cfg.mode)
+    else:
+        try:
+            run = init("online")
+        # wandb.errors.Error: CommError (no network, no answer in init_timeout_s) and its
+        # AuthenticationError; TimeoutError: wandb's own wait, a few seconds longer, for a
+        # service that never answered.
+        except (wandb.errors.Error, TimeoutError) as err:
+            if cfg.require_online:
+                raise WandbOnlineError(
+                    f"logger.wandb.require_online=true: wandb could not start online ({failure_reason(err)}); "
+                    "fix the network or the key, or let the run go on offline with "
+                    "logger.wandb.require_online=false"
+                ) from err
+            log.warning("wandb: online start failed (%s); the run goes on offline "
+                        "(logger.wandb.require_online=true makes this an error)", failure_reason(err))
+            run = init("offline")
+    log.info(wandb_destination(run))
+    return run
+
+
 class MetricSinks:
     """`config` (the resolved config, corpus id and environment) goes to wandb's config and
     TensorBoard's hparams, where `metric_names` are the metrics its table shows."""
@@ -46,6 +113,16 @@ class MetricSinks:
     def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any],
                  metric_names: Iterable[str] = ()) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
+        self.wandb_run = None
+        if cfg.wandb.mode != "disabled":
+            # wandb first: a run that must go online and cannot stops before writing anything.
+            # wandb writes its run files under <dir>/wandb.
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb_run = start_wandb(run_dir, cfg.wandb, cfg.wandb.name or run_name, config)
+            # Tokens as the x-axis of every panel: runs with other batch sizes line up by data
+            # seen (the step stays selectable).
+            self.wandb_run.define_metric("tokens")
+            self.wandb_run.define_metric("*", step_metric="tokens")
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         self.tb_session_end = None
@@ -61,26 +138,6 @@ class MetricSinks:
             )
             self.tb.file_writer.add_summary(experiment)
             self.tb.file_writer.add_summary(session_start)
-        self.wandb_run = None
-        if cfg.wandb.mode != "disabled":
-            import wandb
-
-            # wandb writes its run files under <dir>/wandb.
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb_run = wandb.init(
-                dir=str(run_dir),
-                mode=cfg.wandb.mode,
-                project=cfg.wandb.project,
-                entity=cfg.wandb.entity,
-                group=cfg.wandb.group,
-                name=cfg.wandb.name or run_name,
-                config=config,
-                reinit="finish_previous",
-            )
-            # Tokens as the x-axis of every panel: runs with other batch sizes line up by data
-            # seen (the step stays selectable).
-            self.wandb_run.define_metric("tokens")
-            self.wandb_run.define_metric("*", step_metric="tokens")
 
     def log(self, step: int, tokens: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "tokens": tokens, **metrics}

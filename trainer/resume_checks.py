@@ -1,0 +1,42 @@
+"""What a resumed run changes against the checkpoint it resumes: said in one warning each, since
+either makes the run after the resume a different experiment from its first part."""
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import TrainConfig
+
+# The keys that shape the learning-rate schedule from the step on: changing one on a resume
+# changes every later step's lr (a longer max_steps stretches the decay, for instance).
+SCHEDULE_KEYS = ("trainer.max_steps", "optim.schedule", "optim.lr", "optim.min_lr", "optim.warmup_steps",
+                 "optim.wsd_decay_fraction")
+
+
+def _value(config: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def corpus_change(saved_config: dict[str, Any], corpus_id: str) -> list[str]:
+    saved = saved_config.get("corpus_id")
+    if saved is None or saved == corpus_id:
+        return []
+    return [f"resumed on corpus {corpus_id}, but the checkpoint was trained on corpus {saved}: the steps after "
+            "the resume see other data (see environment.json)"]
+
+
+def schedule_changes(saved_config: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """One line naming every schedule key whose value differs from the checkpoint's, old -> new."""
+    from dataclasses import asdict
+
+    now = asdict(cfg)
+    changed = [(k, _value(saved_config, k), _value(now, k)) for k in SCHEDULE_KEYS]
+    changed = [(k, old, new) for k, old, new in changed if old is not None and old != new]
+    if not changed:
+        return []
+    named = ", ".join(f"{k} {old} -> {new}" for k, old, new in changed)
+    return [f"resumed with another learning-rate schedule than the checkpoint's ({named}): every step from the "
+            "resume on follows the new one"]
