@@ -17,6 +17,7 @@ from typing import Optional
 
 import yaml
 
+from optim.config import OptimConfig
 from trainer.run_env import read_environment, summary_line
 
 Series = tuple[list[int], list[float]]
@@ -125,9 +126,11 @@ def load_run(path: Path) -> Run:
 
 
 def optimizer_setting(optim: dict) -> str:
-    """The optimizer a run used, with the Muon-family options it switched on: "muon",
-    "muon+normuon+cautious_wd", "adamw+cautious_wd". Runs that differ in these options are
-    different optimizers to every table: each gets its own best lr and its own row.
+    """The optimizer a run used, with the Muon-family options it switched on and the
+    per-family lr and weight decay it set (per_family_settings): "muon",
+    "muon+normuon+cautious_wd", "adamw+cautious_wd", "muon+lr×(embed, head, norm: 0.1)+wd=0.3".
+    Runs that differ in these are different optimizers to every table: each gets its own best
+    lr and its own row.
 
     ns_method=gram is "gram_ns" and ns_method=auto "auto_ns": auto runs Gram on the shapes
     where it measured faster, so its arithmetic is neither plain Muon's nor gram's."""
@@ -139,7 +142,43 @@ def optimizer_setting(optim: dict) -> str:
     options = [label for label, on in ((normuon, muon.get("normuon")),
                                        ("cautious_wd", optim.get("cautious_wd")),
                                        (f"{ns_method}_ns", ns_method != "standard")) if on]
-    return "+".join([name, *options])
+    return "+".join([name, *options, *per_family_settings(optim)])
+
+
+def per_family_settings(optim: dict) -> list[str]:
+    """The lr multipliers and weight decays a run set away from the defaults, as parts of its
+    setting's name: "lr×(embed, head, norm: 0.1)", "wd=0.3", "wd(attn_o, mlp_out: 0.3)".
+
+    They are part of the setting, not only of the label, so that runs differing in them never
+    compete for one best lr and each gets its own row in every table, with its difference from
+    the plain setting paired by seed, as NorMuon does.
+
+    optim.weight_decay is named whenever it is not OptimConfig's default (0.1), rather than only
+    where the compared runs differ: a name that depends on which runs are compared could not key
+    the best-lr choice, and a run at the default keeps today's name ("muon"), so a 0.1-vs-0.3
+    comparison reads "muon" against "muon+wd=0.3". Overrides equal to what a family gets
+    anyway (an lr multiplier of 1, a weight decay equal to optim.weight_decay) change nothing,
+    so they are left out of the name."""
+    weight_decay = float(optim.get("weight_decay", OptimConfig.weight_decay))
+    parts = [overrides_text("lr×", optim.get("lr_overrides") or {}, 1.0)]
+    if weight_decay != OptimConfig.weight_decay:
+        parts.append(f"wd={weight_decay:g}")
+    parts.append(overrides_text("wd", optim.get("weight_decay_overrides") or {}, weight_decay))
+    return [part for part in parts if part]
+
+
+def overrides_text(prefix: str, overrides: dict, neutral: float) -> str:
+    """`prefix(embed, head, norm: 0.1)`: a per-family dict, families sorted, those with one
+    value named once ("lr×(embed: 0.5; head, norm: 0.1)"), so that six Muon families at one
+    weight decay stay one short group. "" when no entry differs from `neutral`."""
+    by_value: dict[float, list[str]] = {}
+    for kind in sorted(overrides):
+        if float(overrides[kind]) != neutral:
+            by_value.setdefault(float(overrides[kind]), []).append(kind)
+    if not by_value:
+        return ""
+    groups = "; ".join(f"{', '.join(kinds)}: {value:g}" for value, kinds in by_value.items())
+    return f"{prefix}({groups})"
 
 
 def run_corpus_id(environment: Optional[dict]) -> Optional[str]:

@@ -76,7 +76,7 @@ def build_optimizer(
             group = {
                 "params": plist,
                 "kind": kind,
-                "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),
+                **cfg.group_settings(kind),
             }
             if target == "muon":
                 group["tp_group"] = mesh.tp_group

@@ -85,6 +85,11 @@ class OptimConfig:
     # Weight decay per parameter family (attn_q, mlp_in, embed, norm, ...); families not
     # listed use `weight_decay`. Moonlight decays RMSNorm gammas too, so norms are not exempt.
     weight_decay_overrides: Dict[str, float] = field(default_factory=dict)
+    # Learning-rate multiplier per parameter family (embed, head, norm, router, attn_o, mlp_out,
+    # ...) on the schedule's lr; families not listed take 1x. Under optim=muon the AdamW side
+    # (embed, head, norm, router) shares Muon's lr by default (Moonlight's update-RMS matching);
+    # this is the knob that gives it an lr of its own, as modded-nanogpt and nanochat do.
+    lr_overrides: Dict[str, float] = field(default_factory=dict)
     # Cautious weight decay (arXiv 2510.12402), for Muon and AdamW parameters alike: decay a
     # coordinate only where the optimizer's update and the weight have the same sign.
     cautious_wd: bool = False
@@ -95,3 +100,9 @@ class OptimConfig:
     gather_buckets: int = 1
     muon: MuonConfig = field(default_factory=MuonConfig)
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
+
+    def group_settings(self, kind: str) -> dict[str, float]:
+        """What a parameter group of family `kind` takes from the config: its weight decay and
+        its lr multiplier (OptimizerSet.set_lr applies it). The one rule every builder uses."""
+        return {"weight_decay": self.weight_decay_overrides.get(kind, self.weight_decay),
+                "lr_scale": self.lr_overrides.get(kind, 1.0)}

@@ -61,8 +61,9 @@ class OptimizerSet:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def set_lr(self, lr: float) -> None:
+        """The schedule's lr, times each group's family multiplier (optim.lr_overrides)."""
         for group in self.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
         raise NotImplementedError

@@ -66,7 +66,7 @@ class ShardedOptimizer(OptimizerSet):
                     "split_rows": muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim),
                     "full_shapes": [params[n].shape for n in names],
                     "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
-                    "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay),
+                    **cfg.group_settings(kind),
                 })
             m = cfg.muon
             optimizers["muon"] = ShardedMuon(
@@ -78,8 +78,7 @@ class ShardedOptimizer(OptimizerSet):
             )
         if by_target["adamw"]:
             optimizers["adamw"] = build_adamw(
-                [{"params": [self.local[n] for n in names], "kind": kind,
-                  "weight_decay": cfg.weight_decay_overrides.get(kind, cfg.weight_decay)}
+                [{"params": [self.local[n] for n in names], "kind": kind, **cfg.group_settings(kind)}
                  for kind, names in by_target["adamw"].items()], cfg)
         super().__init__(optimizers)
         self.names = {id(t): n for n, t in self.local.items()}

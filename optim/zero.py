@@ -200,14 +200,11 @@ class ZeroOptimizer(OptimizerSet):
                 adamw_groups.setdefault(self.kinds[s.param], []).append(piece)
                 domain.owned.append((piece, s))
 
-        def wd(kind: str) -> float:
-            return cfg.weight_decay_overrides.get(kind, cfg.weight_decay)
-
         if muon_groups:
             m = cfg.muon
             groups = []
             for kind, plist in muon_groups.items():
-                group: dict[str, Any] = {"params": plist, "kind": kind, "weight_decay": wd(kind),
+                group: dict[str, Any] = {"params": plist, "kind": kind, **cfg.group_settings(kind),
                                          "split_rows": split_rows(kind), "tp_group": mesh.tp_group}
                 groups.append(group)
             optimizers["muon"] = Muon(groups, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
@@ -218,7 +215,7 @@ class ZeroOptimizer(OptimizerSet):
                                       ns_by_shape=m.ns_by_shape, cuda_graphs=m.cuda_graphs,
                                       normuon=m.normuon, normuon_beta2=m.normuon_beta2)
         if adamw_groups:
-            groups = [{"params": plist, "kind": kind, "weight_decay": wd(kind)}
+            groups = [{"params": plist, "kind": kind, **cfg.group_settings(kind)}
                       for kind, plist in adamw_groups.items()]
             optimizers["adamw"] = build_adamw(groups, cfg)
         super().__init__(optimizers)

@@ -10,7 +10,8 @@ runs; from sweeps the best lr per optimizer (lowest final val loss) is kept, and
 every run's final losses is printed. The first selected run is A (Muon when present), the
 second B. --longer takes runs of B's optimizer with longer schedules and reports the
 schedule-length ratio at which B's final loss reaches A's. Writes PNGs and summary.md (the
-printed tables) into --out.
+printed tables) into --out, among them each arm's output RMS by layer at the end of its runs
+(output_rms_by_layer.png and its table), for every run that logged model/output_rms/.
 
 Seeds: runs whose configs differ only in `seed` (and in where they log, checkpoint or profile,
 or their parallel layout) and that ran equally long form one arm. Its curves are the mean over
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +50,7 @@ from eval.compare import (  # noqa: E402
     Run, best_per_optimizer, ewm, find_runs, leading_steps, load_run, mixed_corpora,
 )
 from eval.seeds import (  # noqa: E402
-    Arm, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
+    Arm, Estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
 
 BEST_KEY = "val/val/loss"
@@ -188,6 +191,121 @@ def plot_family(arms: list[Arm], prefix: str, title: str, out: Path, name: str) 
     fig.savefig(out / name, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return out / name
+
+
+# Each block's output RMS (the residual stream after it) and the final normed state's, as the
+# trainer logs them at logging steps (docs/outputs.md).
+OUTPUT_RMS = "model/output_rms/"
+OUTPUT_RMS_LAYER = re.compile(re.escape(OUTPUT_RMS) + r"layer_(\d+)")
+OUTPUT_RMS_FINAL = OUTPUT_RMS + "final"
+
+
+@dataclass
+class DepthProfile:
+    """An arm's output RMS at the end of its runs, by depth: mean +- standard error over the
+    seeds (of those runs that logged it) of each layer's last logged value, and of the final
+    normed state's."""
+    arm: Arm  # the runs it is over
+    name: str  # its row and legend entry
+    layers: list[tuple[int, Estimate]]  # (layer index, estimate), by index
+    final: Optional[Estimate]
+
+
+def output_rms_layers(run: Run) -> list[int]:
+    """The layer indices of the run's logged output RMS, in depth order (layer_10 after layer_9)."""
+    return sorted(int(m.group(1)) for m in map(OUTPUT_RMS_LAYER.fullmatch, run.series) if m)
+
+
+def depth_profile(arm: Arm, with_steps: bool = False) -> Optional[DepthProfile]:
+    """The arm's output RMS by layer, over the seeds that logged it; None when none did.
+    `with_steps` names its length too (the label does not have it)."""
+    runs = [run for run in arm.runs if output_rms_layers(run)]
+    if not runs:
+        return None
+    logged = Arm(runs)
+    name = logged.label + (f", {fmt(arm.final_step(BEST_KEY), 'd')} steps" if with_steps else "")
+    layers = sorted({i for run in runs for i in output_rms_layers(run)})
+    estimates = [(i, logged.final_estimate(f"{OUTPUT_RMS}layer_{i}")) for i in layers]
+    return DepthProfile(logged, name, estimates, logged.final_estimate(OUTPUT_RMS_FINAL))  # type: ignore[arg-type]
+
+
+def depth_profiles(arms: list[Arm]) -> list[DepthProfile]:
+    """The profile of each arm that logged the metric. Arms of one setting at several schedule lengths (a
+    sweep of longer AdamW runs) share a label, so their names then carry the length."""
+    with_steps = len({arm.final_step(BEST_KEY) for arm in arms}) > 1
+    return [p for p in (depth_profile(arm, with_steps) for arm in arms) if p is not None]
+
+
+def error_bars(estimates: list[Estimate]) -> Optional[list[list[float]]]:
+    """matplotlib's (lower, upper) yerr of +- one standard error, None with no seeds to give one.
+    The lower bar stops short of 0, which a log axis cannot draw."""
+    if all(est.se is None for est in estimates):
+        return None
+    ses = [est.se or 0.0 for est in estimates]
+    return [[min(se, 0.9 * est.mean) for se, est in zip(ses, estimates)], ses]
+
+
+def draw_output_rms(ax, profiles: list[DepthProfile]) -> None:
+    """Each arm's layers as a line against the layer index, and its final normed state as a
+    point of the same colour at one shared "final" position past the deepest layer: it is
+    another quantity (after the norm), so no line joins it to the last layer."""
+    from matplotlib import ticker
+
+    final_x = max(i for p in profiles for i, _ in p.layers) + 1
+    for profile in profiles:
+        estimates = [est for _, est in profile.layers]
+        bars = ax.errorbar([i for i, _ in profile.layers], [est.mean for est in estimates],
+                           yerr=error_bars(estimates), marker="o", markersize=4, capsize=3, label=profile.name)
+        if profile.final is not None:
+            ax.errorbar([final_x], [profile.final.mean], yerr=error_bars([profile.final]), marker="s",
+                        markersize=5, capsize=3, linestyle="none", color=bars.lines[0].get_color())
+    ax.set_yscale("log")  # the final norm brings ~70 back to ~1: both ends must be readable
+    # ticks at 1, 2, 5 per decade in plain numbers: the range is two decades, and powers of ten
+    # alone would leave one labelled tick on it
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.set_xticks(list(range(final_x + 1)), [str(i) for i in range(final_x)] + ["final"])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("output RMS at the last logged step")
+
+
+def plot_output_rms_by_layer(profiles: list[DepthProfile], out: Path) -> Path | None:
+    """output_rms_by_layer.png: draw_output_rms of every arm that logged it; None when none did."""
+    if not profiles:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    draw_output_rms(ax, profiles)
+    add_legend(fig, [ax], len(profiles))
+    seeded = any(len(p.arm.runs) > 1 for p in profiles)
+    ax.set_title("output RMS by layer, end of run" + ("\nmean over seeds, bars +- one standard error" if seeded else ""))
+    fig.tight_layout()
+    fig.savefig(out / "output_rms_by_layer.png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return out / "output_rms_by_layer.png"
+
+
+def output_rms_section(arms: list[Arm], profiles: list[DepthProfile]) -> list[str]:
+    """summary.md's table of the numbers in output_rms_by_layer.png, one row per arm, and a note
+    naming the runs left out for not logging them (runs from before the metric, TensorBoard-only
+    runs without it)."""
+    lines = ["## Output RMS by layer at the end of the run", ""]
+    kept = {id(run) for p in profiles for run in p.arm.runs}
+    skipped = [run for arm in arms for run in arm.runs if id(run) not in kept]
+    if not profiles:
+        return lines + [f"No compared run logged {OUTPUT_RMS}layer_<i>: no output_rms_by_layer.png.", ""]
+    layers = sorted({i for p in profiles for i, _ in p.layers})
+    lines += [f"Each run's last logged {OUTPUT_RMS}layer_<i> and final (the normed state the head reads), "
+              "mean ± standard error over the seeds (output_rms_by_layer.png).", "",
+              "| setting | " + " | ".join(f"layer {i}" for i in layers) + " | final |",
+              "| --- | " + " | ".join("---:" for _ in layers) + " | ---: |"]
+    for profile in profiles:
+        by_layer = dict(profile.layers)
+        cells = [fmt_estimate(by_layer.get(i), ".3f") for i in layers] + [fmt_estimate(profile.final, ".3f")]
+        lines.append(f"| {profile.name} | " + " | ".join(cells) + " |")
+    if skipped:
+        lines += ["", f"Left out, no {OUTPUT_RMS}layer_<i> logged:", ""] + [f"- {run.path}" for run in skipped]
+    return lines + [""]
 
 
 def fmt(value: float | None, spec: str = ".4f") -> str:
@@ -497,6 +615,12 @@ def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinish
     report += sweep_table(arms, best_per_length(arms) if len(lengths) > 1 else best, eval_keys(runs),
                           with_steps=len(lengths) > 1) + [""]
     out.mkdir(parents=True, exist_ok=True)
+    # every lr of the sweep: how the lr moves the activations is what such a sweep can show
+    profiles = depth_profiles(arms)
+    report += output_rms_section(arms, profiles)
+    plotted = plot_output_rms_by_layer(profiles, out)
+    if plotted is not None:
+        print(f"wrote {plotted}")
     (out / "summary.md").write_text("\n".join(report))
     print("\n".join(report))
     print(f"wrote {out / 'summary.md'}")
@@ -549,12 +673,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [run for arm in selected for run in arm.runs]
     keys = loss_keys(runs)
+    profiles = depth_profiles(selected)
     written = [plot_losses(selected, keys, args.alpha, args.out),
                plot_leading_steps(a, b, keys, args.alpha, args.out),
                plot_family(selected, "optim/update_rms/", "update RMS / lr, per parameter kind", args.out,
                            "update_rms.png"),
-               plot_family(selected, "model/output_rms/", "output RMS of each block (residual stream)", args.out,
+               plot_family(selected, OUTPUT_RMS, "output RMS of each block (residual stream)", args.out,
                            "output_rms.png"),
+               plot_output_rms_by_layer(profiles, args.out),
                plot_family(selected, "attn/max_logit/", "max attention logit per layer", args.out,
                            "max_attn_logit.png"),
                # QK-clip runs only (optim.qk_clip.enabled; tau=inf records without clipping):
@@ -590,6 +716,7 @@ def main() -> None:
             report += sweep_table([b] + longer, arms_b, eval_keys(runs), with_steps=True) + [""]
         report += [f"## Schedule ratio: {b.optimizer} with longer schedules vs A's final loss", ""]
         report += honest_table(a, arms_b, eval_keys(runs)) + [""]
+    report += output_rms_section(selected, profiles)
     (args.out / "summary.md").write_text("\n".join(report))
     print("\n" + "\n".join(report))
     print(f"wrote {args.out / 'summary.md'}")

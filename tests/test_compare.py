@@ -73,11 +73,15 @@ def test_ewm_is_bias_corrected_and_follows_the_recurrence():
 
 
 def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None,
-              seed: int | None = None, precision: str | None = None, every: int = 1) -> None:
+              seed: int | None = None, precision: str | None = None, every: int = 1, optim: dict | None = None,
+              output_rms: list[float] | None = None) -> None:
     """A run dir as train.py leaves it; with `corpus`, also its environment.json; with `seed`,
     a config that names it (runs without one are never grouped as seeds of one setting); with
     `precision`, the resolved_config.yaml that records what trainer.precision ran in. `losses`
-    are logged every `every` steps, from step `every` on."""
+    are logged every `every` steps, from step `every` on. `optim` adds keys to the config's
+    optim section (optim.lr_overrides, ...). `output_rms`: each layer's output RMS and then
+    the final normed state's at the last step, logged at every step scaled by step / last step,
+    so that only the last logged values are these."""
     (path / ".hydra").mkdir(parents=True)
     if precision is not None:
         (path / "resolved_config.yaml").write_text(f"trainer:\n  precision: {precision}\n")
@@ -87,11 +91,21 @@ def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus
                "corpus": {"id": corpus}}
         (path / "environment.json").write_text(json.dumps(env))
     seed_line = "" if seed is None else f"seed: {seed}\n"
-    (path / ".hydra" / "config.yaml").write_text(f"{seed_line}optim:\n  name: {optimizer}\n  lr: {lr}\n")
+    extra = "".join(f"  {key}: {json.dumps(value)}\n" for key, value in (optim or {}).items())  # JSON is YAML
+    (path / ".hydra" / "config.yaml").write_text(f"{seed_line}optim:\n  name: {optimizer}\n  lr: {lr}\n{extra}")
+    last = every * len(losses)
     with open(path / "metrics.jsonl", "w") as f:
-        for step, loss in zip(range(every, every * (len(losses) + 1), every), losses):
-            f.write(json.dumps({"step": step, "tokens": step * 10, "train/loss": loss,
-                                "val/val/loss": loss + 0.1, "val/ood_prose/loss": loss + 1}) + "\n")
+        for step, loss in zip(range(every, last + 1, every), losses):
+            record = {"step": step, "tokens": step * 10, "train/loss": loss,
+                      "val/val/loss": loss + 0.1, "val/ood_prose/loss": loss + 1}
+            f.write(json.dumps({**record, **output_rms_record(output_rms or [], step / last)}) + "\n")
+
+
+def output_rms_record(values: list[float], scale: float) -> dict[str, float]:
+    """model/output_rms/layer_<i> for all but the last of `values`, model/output_rms/final for
+    the last, each times `scale`."""
+    keys = [f"model/output_rms/layer_{i}" for i in range(len(values) - 1)] + ["model/output_rms/final"]
+    return {key: value * scale for key, value in zip(keys, values)} if values else {}
 
 
 def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
@@ -502,3 +516,149 @@ def test_the_in_run_table_states_its_resolution_and_ratios_within_it(tmp_path):
     proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "slow"), "--alpha", "1")
     assert proc.returncode == 0, proc.stderr
     assert in_run_rows(proc.stdout)["train/loss"] == "| train/loss | 0.1000 | 0.2000 | 10 | 100 | 50 | 2.000 | B |"
+
+
+MUON_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_o", "mlp_in", "mlp_out")
+
+
+def test_per_family_lr_and_weight_decay_name_the_setting_and_defaults_keep_todays_label(tmp_path):
+    """optim.lr_overrides, a non-default optim.weight_decay and optim.weight_decay_overrides are
+    part of the setting's name (and so of every label, table row and legend entry), families
+    sorted and one value named once; entries that change nothing (a 1x lr, a weight decay equal
+    to optim.weight_decay) and the defaults leave the name as it was."""
+    from eval.seeds import group_arms
+
+    settings = {
+        "plain": {},
+        "defaults": {"weight_decay": 0.1, "lr_overrides": {}, "weight_decay_overrides": {}},
+        "no_op": {"lr_overrides": {"attn_q": 1.0}, "weight_decay_overrides": {"embed": 0.1}},
+        "lr": {"lr_overrides": {"norm": 0.1, "head": 0.1, "embed": 0.1}},
+        "lr_two": {"lr_overrides": {"norm": 0.1, "head": 0.1, "embed": 0.5}},
+        "wd": {"weight_decay": 0.3},
+        "wd_matrices": {"weight_decay_overrides": {kind: 0.3 for kind in MUON_MATRICES}},
+        "both": {"weight_decay": 0.0, "lr_overrides": {"embed": 0.1},
+                 "weight_decay_overrides": {"mlp_in": 0.3, "norm": 0.0}},
+    }
+    for name, optim in settings.items():
+        write_run(tmp_path / name, "muon", 1e-2, [5, 4, 3], seed=0, optim=optim)
+    runs = {name: load_run(tmp_path / name) for name in settings}
+    assert {name: run.label for name, run in runs.items()} == {
+        "plain": "muon lr=0.01",
+        "defaults": "muon lr=0.01",
+        "no_op": "muon lr=0.01",
+        "lr": "muon+lr×(embed, head, norm: 0.1) lr=0.01",
+        "lr_two": "muon+lr×(embed: 0.5; head, norm: 0.1) lr=0.01",
+        "wd": "muon+wd=0.3 lr=0.01",
+        "wd_matrices": "muon+wd(attn_k, attn_o, attn_q, attn_v, mlp_in, mlp_out: 0.3) lr=0.01",
+        "both": "muon+lr×(embed: 0.1)+wd=0+wd(mlp_in: 0.3) lr=0.01",
+    }
+    # each setting is its own arm, and its own best lr: none hides another
+    named = [runs[name] for name in ("plain", "lr", "wd", "wd_matrices")]
+    assert [arm.label for arm in group_arms(named)] == [run.label for run in named]
+    assert sorted(r.optimizer for r in best_per_optimizer(named, "train/loss")) == sorted(r.optimizer for r in named)
+
+
+def test_a_weight_decay_experiment_gets_a_row_per_setting_paired_with_the_plain_one(tmp_path):
+    """Muon at weight decay 0.1 and 0.3, three seeds each, beside AdamW: before, both Muon arms
+    were "muon" and only the better one survived the best-lr choice."""
+    for seed, c in ((0, 3.0), (1, 3.4), (2, 2.8)):
+        write_run(tmp_path / "muon" / str(seed), "muon", 1e-2, [c + 1, c], seed=seed)
+        write_run(tmp_path / "wd" / str(seed), "muon", 1e-2, [c + 1, c - 0.05 * (seed + 1)], seed=seed,
+                  optim={"weight_decay": 0.3})
+        write_run(tmp_path / "adamw" / str(seed), "adamw", 1e-3, [c + 2, c + 0.5], seed=seed)
+    proc = compare(tmp_path, *(str(tmp_path / n) for n in ("muon", "wd", "adamw")))
+    assert proc.returncode == 0, proc.stderr
+    assert "## In-run leading steps: A = muon lr=0.01 (3 seeds), B = adamw lr=0.001 (3 seeds)" in proc.stdout
+    table = proc.stdout.split("## Every optimizer setting, at its best lr")[1].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert list(rows)[2:] == ["muon (A)", "adamw (B)", "muon+wd=0.3"]
+    # the paired difference of the 0.3 arm from plain Muon: -0.05, -0.10, -0.15 by seed
+    assert "| -0.1000 ± 0.0289 (95% CI -0.224 to +0.024) |" in rows["muon+wd=0.3"]
+
+
+OUTPUT_RMS_FINALS = {  # per seed: layers 0..2, then the final normed state
+    "muon": {0: [10.0, 40.0, 60.0, 0.5], 1: [20.0, 50.0, 66.0, 0.6], 2: [30.0, 45.0, 63.0, 0.7]},
+    "adamw": {0: [1.0, 1.5, 2.0, 1.05]},
+}
+
+
+def write_output_rms_runs(root: Path) -> None:
+    for optimizer, seeds in OUTPUT_RMS_FINALS.items():
+        for seed, values in seeds.items():
+            write_run(root / optimizer / str(seed), optimizer, 1e-2 if optimizer == "muon" else 1e-3,
+                      [5.0, 4.0, 3.0 + 0.1 * seed], seed=seed, output_rms=values)
+
+
+def test_the_output_rms_profile_is_each_arms_last_logged_value_by_layer(tmp_path):
+    """The panel's points: each layer's last logged output RMS (not an earlier or a mean one),
+    mean +- standard error over the seeds, layers by index and the final state after them."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.seeds import group_arms
+    from scripts.compare_runs import depth_profiles, draw_output_rms
+
+    write_output_rms_runs(tmp_path)
+    arms = group_arms([load_run(p) for p in find_runs(tmp_path)])
+    profiles = {profile.arm.optimizer: profile for profile in depth_profiles(arms)}
+    muon, adamw = profiles["muon"], profiles["adamw"]
+    finals = list(zip(*OUTPUT_RMS_FINALS["muon"].values()))  # per layer, the three seeds' values
+    assert [i for i, _ in muon.layers] == [0, 1, 2]
+    for (_, est), values in zip(muon.layers + [(3, muon.final)], finals):
+        assert est.n == 3 and est.mean == pytest.approx(statistics.fmean(values))
+        assert est.se == pytest.approx(statistics.stdev(values) / 3 ** 0.5)
+    assert [est.mean for _, est in adamw.layers] == pytest.approx([1.0, 1.5, 2.0]) and adamw.final.se is None
+
+    fig, ax = plt.subplots()
+    draw_output_rms(ax, [muon, adamw])
+    layer_lines = [c for c in ax.containers if c.get_label() in (muon.name, adamw.name)]
+    assert [c.get_label() for c in layer_lines] == ["muon lr=0.01 (3 seeds)", "adamw lr=0.001"]
+    assert list(layer_lines[0].lines[0].get_xdata()) == [0, 1, 2]
+    assert list(layer_lines[0].lines[0].get_ydata()) == pytest.approx([statistics.fmean(v) for v in finals[:3]])
+    assert list(layer_lines[1].lines[0].get_ydata()) == pytest.approx([1.0, 1.5, 2.0])
+    final_points = [c.lines[0] for c in ax.containers if c not in layer_lines]
+    assert [(list(p.get_xdata()), list(p.get_ydata())) for p in final_points] == [([3], [pytest.approx(0.6)]),
+                                                                                ([3], [pytest.approx(1.05)])]
+    assert final_points[0].get_color() == layer_lines[0].lines[0].get_color()
+    assert layer_lines[0].has_yerr and not layer_lines[1].has_yerr  # one seed: no bar
+    assert ax.get_yscale() == "log" and ax.get_xticklabels()[-1].get_text() == "final"
+    plt.close(fig)
+
+
+def test_cli_writes_the_output_rms_panel_and_its_table_and_names_runs_without_it(tmp_path):
+    write_output_rms_runs(tmp_path)
+    write_run(tmp_path / "muon" / "3", "muon", 1e-2, [5.0, 4.0, 3.3], seed=3)  # from before the metric
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "cmp" / "output_rms_by_layer.png").stat().st_size > 1000
+    section = (tmp_path / "cmp" / "summary.md").read_text().split("## Output RMS by layer at the end of the run")[1]
+    lines = section.splitlines()
+    assert "| setting | layer 0 | layer 1 | layer 2 | final |" in lines
+    # seed 3 logged none: the arm's row is over seeds 0-2; layer 0's 10, 20, 30: mean 20, se 10/sqrt(3)
+    assert "| muon lr=0.01 (3 seeds) | 20.000 ± 5.774 | 45.000 ± 2.887 | 63.000 ± 1.732 | 0.600 ± 0.058 |" in lines
+    assert "| adamw lr=0.001 | 1.000 | 1.500 | 2.000 | 1.050 |" in lines
+    assert f"- {tmp_path / 'muon' / '3'}" in lines[lines.index("Left out, no model/output_rms/layer_<i> logged:"):]
+
+    (tmp_path / "cmp" / "output_rms_by_layer.png").unlink()
+    (tmp_path / "muon" / "3").rename(tmp_path / "old_muon")
+    write_run(tmp_path / "old_adamw", "adamw", 1e-3, [5.0, 4.0, 3.5], seed=3)
+    proc = compare(tmp_path, str(tmp_path / "old_muon"), str(tmp_path / "old_adamw"))
+    assert proc.returncode == 0, proc.stderr
+    assert "No compared run logged model/output_rms/layer_<i>: no output_rms_by_layer.png." in proc.stdout
+    assert not (tmp_path / "cmp" / "output_rms_by_layer.png").exists()
+
+
+def test_a_sweep_of_one_optimizer_gets_the_output_rms_panel_too(tmp_path):
+    """Every lr of the sweep, each at its own length: same label, told apart by its steps."""
+    write_run(tmp_path / "sweep" / "a", "adamw", 1e-3, [5.0, 4.0], output_rms=[1.0, 2.0, 1.1])
+    write_run(tmp_path / "sweep" / "b", "adamw", 1e-3, [5.0, 4.0, 3.0], output_rms=[3.0, 4.0, 1.2])
+    proc = compare(tmp_path, str(tmp_path / "sweep"))
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "cmp" / "summary.md").read_text().splitlines()
+    assert "| adamw lr=0.001, 2 steps | 1.000 | 2.000 | 1.100 |" in lines
+    assert "| adamw lr=0.001, 3 steps | 3.000 | 4.000 | 1.200 |" in lines
+    assert (tmp_path / "cmp" / "output_rms_by_layer.png").stat().st_size > 1000

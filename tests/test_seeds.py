@@ -134,7 +134,7 @@ def test_cli_reports_seeds_as_mean_and_error_with_an_interval(tmp_path):
     muon_finals = [c / 40 for c in c_muon]
     mean, se = statistics.fmean(muon_finals), statistics.stdev(muon_finals) / math.sqrt(3)
     assert f"| muon (best) | 0.003 | 0,1,2 | {mean + 0.1:.4f} ± {se:.4f} | {mean + 1:.4f} ± {se:.4f} |" in lines
-    assert "- A seed 2 = muon lr=0.003: corpus unknown; no environment.json " \
+    assert "- A seed 2 = muon lr=0.003: precision unknown; corpus unknown; no environment.json " \
         f"({tmp_path / 'sweep' / 'm2'})" in lines
     # in-run, per seed pair; the 95% interval uses t with 2 degrees of freedom
     pair_ratios = [40 / n for n in crossing]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -320,12 +321,14 @@ def validate(cfg: TrainConfig) -> None:
                 "logits and undoes the clip's W_q / W_k scaling; turn one of them off"
             )
 
-    for kind in o.weight_decay_overrides:
-        if kind not in ALL_KINDS:
-            raise ConfigError(
-                f"optim.weight_decay_overrides.{kind}: unknown parameter family "
-                f"(expected one of {', '.join(sorted(ALL_KINDS))})"
-            )
+    for key, overrides in (("optim.weight_decay_overrides", o.weight_decay_overrides),
+                           ("optim.lr_overrides", o.lr_overrides)):
+        for kind, value in overrides.items():
+            if kind not in ALL_KINDS:
+                raise ConfigError(f"{key}.{kind}: unknown parameter family (expected one of "
+                                  f"{', '.join(sorted(ALL_KINDS))})")
+            if not 0 <= value < math.inf:  # also rejects NaN
+                raise ConfigError(f"{key}.{kind} must be a finite value >= 0, got {value}")
 
     _positive("eval.batches", cfg.eval.batches)
     _positive("eval.interval", cfg.eval.interval, minimum=0)

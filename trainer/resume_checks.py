@@ -9,7 +9,7 @@ from trainer.config import TrainConfig
 # The keys that shape the learning-rate schedule from the step on: changing one on a resume
 # changes every later step's lr (a longer max_steps stretches the decay, for instance).
 SCHEDULE_KEYS = ("trainer.max_steps", "optim.schedule", "optim.lr", "optim.min_lr", "optim.warmup_steps",
-                 "optim.wsd_decay_fraction")
+                 "optim.wsd_decay_fraction", "optim.lr_overrides")
 
 
 def _value(config: dict[str, Any], dotted: str) -> Any:
