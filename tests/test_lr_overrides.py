@@ -75,9 +75,10 @@ def test_the_overrides_multiply_exactly_the_families_they_name(optim):
 
 
 # The same global batch of 2 sequences as the single process: one per DP rank under DP=2.
-@pytest.mark.parametrize("layout", [["parallel.tp=1", "trainer.batch_size=1"], ["parallel.tp=2"],
-                                    ["parallel.dp_shard=2", "trainer.batch_size=1"]],
-                         ids=["dp2_zero1", "tp2", "fsdp2"])
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.tp=1", "trainer.batch_size=1"], id="dp2_zero1", marks=pytest.mark.slow),
+    pytest.param(["parallel.tp=2"], id="tp2"),
+    pytest.param(["parallel.dp_shard=2", "trainer.batch_size=1"], id="fsdp2", marks=pytest.mark.slow)])
 def test_the_overrides_multiply_the_same_families_under_dp_and_tp(layout):
     deltas = run_distributed(_one_step_deltas, 2, layout, "muon")
     check_scaled(deltas[0])
