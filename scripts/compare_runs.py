@@ -11,7 +11,9 @@ every run's final losses is printed. The first selected run is A (Muon when pres
 second B. --longer takes runs of B's optimizer with longer schedules and reports the
 schedule-length ratio at which B's final loss reaches A's. Writes PNGs and summary.md (the
 printed tables) into --out, among them each arm's output RMS by layer at the end of its runs
-(output_rms_by_layer.png and its table), for every run that logged model/output_rms/.
+(output_rms_by_layer.png and its table), for every run that logged model/output_rms/, and a
+table of each arm's weight RMS per parameter kind and largest attention logit at the end of its
+runs, for every run that logged model/weight_rms/ or attn/max_logit/.
 
 Seeds: runs whose configs differ only in `seed` (and in where they log, checkpoint or profile,
 or their parallel layout) and that ran equally long form one arm. Its curves are the mean over
@@ -39,7 +41,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import yaml
 
@@ -50,7 +52,7 @@ from eval.compare import (  # noqa: E402
     Run, best_per_optimizer, ewm, find_runs, leading_steps, load_run, mixed_corpora,
 )
 from eval.seeds import (  # noqa: E402
-    Arm, Estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
+    Arm, Estimate, estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
 
 BEST_KEY = "val/val/loss"
@@ -200,6 +202,14 @@ OUTPUT_RMS_LAYER = re.compile(re.escape(OUTPUT_RMS) + r"layer_(\d+)")
 OUTPUT_RMS_FINAL = OUTPUT_RMS + "final"
 
 
+# The trainer's weight RMS per parameter kind (optim/routing.py) and each layer's largest
+# pre-softmax attention logit on an eval batch (docs/outputs.md).
+WEIGHT_RMS = "model/weight_rms/"
+WEIGHT_RMS_KIND = re.compile(re.escape(WEIGHT_RMS) + r"(\w+)")
+MAX_LOGIT = "attn/max_logit/"
+MAX_LOGIT_LAYER = re.compile(re.escape(MAX_LOGIT) + r"layer_(\d+)")
+
+
 @dataclass
 class DepthProfile:
     """An arm's output RMS at the end of its runs, by depth: mean +- standard error over the
@@ -211,29 +221,86 @@ class DepthProfile:
     final: Optional[Estimate]
 
 
+@dataclass
+class WeightsProfile:
+    """An arm's weights and attention logits at the end of its runs: mean +- standard error
+    over the seeds (of those runs that logged either) of each kind's last logged weight RMS, and
+    of each run's largest last logged attention logit over its layers."""
+    arm: Arm  # the runs it is over
+    name: str  # its row
+    weight_rms: dict[str, Optional[Estimate]]  # by kind
+    max_logit: Optional[Estimate]
+
+
+Profile = TypeVar("Profile", DepthProfile, WeightsProfile)
+
+
+def logged(run: Run, pattern: re.Pattern) -> list[str]:
+    """The group of `pattern` in each of the run's metric names that it matches whole."""
+    return [m.group(1) for m in map(pattern.fullmatch, run.series) if m]
+
+
 def output_rms_layers(run: Run) -> list[int]:
     """The layer indices of the run's logged output RMS, in depth order (layer_10 after layer_9)."""
-    return sorted(int(m.group(1)) for m in map(OUTPUT_RMS_LAYER.fullmatch, run.series) if m)
+    return sorted(int(i) for i in logged(run, OUTPUT_RMS_LAYER))
+
+
+def max_logit(run: Run) -> Optional[float]:
+    """The largest of the run's last logged attn/max_logit/layer_<i>: how near the layer most at
+    risk is to saturating its softmax; None when it logged none."""
+    finals = [run.final(MAX_LOGIT + "layer_" + i) for i in logged(run, MAX_LOGIT_LAYER)]
+    return max((v for v in finals if v is not None), default=None)
+
+
+def logged_part(arm: Arm, logs: Callable[[Run], bool], with_steps: bool) -> Optional[tuple[Arm, str]]:
+    """The arm of those of `arm`'s runs that `logs`, and its row name; None when no run does.
+    `with_steps` names its length too (the label does not have it)."""
+    runs = [run for run in arm.runs if logs(run)]
+    if not runs:
+        return None
+    part = Arm(runs)
+    return part, part.label + (f", {fmt(arm.final_step(BEST_KEY), 'd')} steps" if with_steps else "")
 
 
 def depth_profile(arm: Arm, with_steps: bool = False) -> Optional[DepthProfile]:
-    """The arm's output RMS by layer, over the seeds that logged it; None when none did.
-    `with_steps` names its length too (the label does not have it)."""
-    runs = [run for run in arm.runs if output_rms_layers(run)]
-    if not runs:
+    """The arm's output RMS by layer, over the seeds that logged it; None when none did."""
+    found = logged_part(arm, lambda run: bool(output_rms_layers(run)), with_steps)
+    if found is None:
         return None
-    logged = Arm(runs)
-    name = logged.label + (f", {fmt(arm.final_step(BEST_KEY), 'd')} steps" if with_steps else "")
-    layers = sorted({i for run in runs for i in output_rms_layers(run)})
-    estimates = [(i, logged.final_estimate(f"{OUTPUT_RMS}layer_{i}")) for i in layers]
-    return DepthProfile(logged, name, estimates, logged.final_estimate(OUTPUT_RMS_FINAL))  # type: ignore[arg-type]
+    part, name = found
+    layers = sorted({i for run in part.runs for i in output_rms_layers(run)})
+    estimates = [(i, part.final_estimate(f"{OUTPUT_RMS}layer_{i}")) for i in layers]
+    return DepthProfile(part, name, estimates, part.final_estimate(OUTPUT_RMS_FINAL))  # type: ignore[arg-type]
+
+
+def weights_profile(arm: Arm, with_steps: bool = False) -> Optional[WeightsProfile]:
+    """The arm's weight RMS per kind and largest attention logit, over the seeds that logged
+    either; None when none did."""
+    found = logged_part(arm, lambda run: bool(logged(run, WEIGHT_RMS_KIND)) or max_logit(run) is not None,
+                        with_steps)
+    if found is None:
+        return None
+    part, name = found
+    kinds = sorted({kind for run in part.runs for kind in logged(run, WEIGHT_RMS_KIND)})
+    return WeightsProfile(part, name, {kind: part.final_estimate(WEIGHT_RMS + kind) for kind in kinds},
+                          estimate([v for v in map(max_logit, part.runs) if v is not None]))
+
+
+def profiles_of(arms: list[Arm], profile: Callable[[Arm, bool], Optional[Profile]]) -> list[Profile]:
+    """The profile of each arm that logged its metrics. Arms of one setting at several schedule
+    lengths (a sweep of longer AdamW runs) share a label, so their names then carry the length."""
+    with_steps = len({arm.final_step(BEST_KEY) for arm in arms}) > 1
+    return [p for p in (profile(arm, with_steps) for arm in arms) if p is not None]
 
 
 def depth_profiles(arms: list[Arm]) -> list[DepthProfile]:
-    """The profile of each arm that logged the metric. Arms of one setting at several schedule lengths (a
-    sweep of longer AdamW runs) share a label, so their names then carry the length."""
-    with_steps = len({arm.final_step(BEST_KEY) for arm in arms}) > 1
-    return [p for p in (depth_profile(arm, with_steps) for arm in arms) if p is not None]
+    """The output RMS by layer of each arm that logged it."""
+    return profiles_of(arms, depth_profile)
+
+
+def weights_profiles(arms: list[Arm]) -> list[WeightsProfile]:
+    """The weight RMS and largest attention logit of each arm that logged either."""
+    return profiles_of(arms, weights_profile)
 
 
 def error_bars(estimates: list[Estimate]) -> Optional[list[list[float]]]:
@@ -285,27 +352,53 @@ def plot_output_rms_by_layer(profiles: list[DepthProfile], out: Path) -> Path | 
     return out / "output_rms_by_layer.png"
 
 
-def output_rms_section(arms: list[Arm], profiles: list[DepthProfile]) -> list[str]:
-    """summary.md's table of the numbers in output_rms_by_layer.png, one row per arm, and a note
-    naming the runs left out for not logging them (runs from before the metric, TensorBoard-only
-    runs without it)."""
-    lines = ["## Output RMS by layer at the end of the run", ""]
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A table with a text first column and numbers, right-aligned, in the others."""
+    return ["| " + " | ".join(head) + " |", "| --- | " + " | ".join("---:" for _ in head[1:]) + " |"] + [
+        "| " + " | ".join(row) + " |" for row in rows]
+
+
+def profile_section(title: str, metric: str, arms: list[Arm], profiles: list[Profile], body: list[str],
+                    if_none: str = "") -> list[str]:
+    """summary.md's section `title` with `body` (its tables of `profiles`), and a note naming the
+    runs left out for not logging `metric` (runs from before the metric, TensorBoard-only runs
+    without it); with no profile, one line that no run logged it, and `if_none`."""
+    lines = [f"## {title}", ""]
+    if not profiles:
+        return lines + [f"No compared run logged {metric}{if_none}.", ""]
     kept = {id(run) for p in profiles for run in p.arm.runs}
     skipped = [run for arm in arms for run in arm.runs if id(run) not in kept]
-    if not profiles:
-        return lines + [f"No compared run logged {OUTPUT_RMS}layer_<i>: no output_rms_by_layer.png.", ""]
-    layers = sorted({i for p in profiles for i, _ in p.layers})
-    lines += [f"Each run's last logged {OUTPUT_RMS}layer_<i> and final (the normed state the head reads), "
-              "mean ± standard error over the seeds (output_rms_by_layer.png).", "",
-              "| setting | " + " | ".join(f"layer {i}" for i in layers) + " | final |",
-              "| --- | " + " | ".join("---:" for _ in layers) + " | ---: |"]
-    for profile in profiles:
-        by_layer = dict(profile.layers)
-        cells = [fmt_estimate(by_layer.get(i), ".3f") for i in layers] + [fmt_estimate(profile.final, ".3f")]
-        lines.append(f"| {profile.name} | " + " | ".join(cells) + " |")
+    lines += body
     if skipped:
-        lines += ["", f"Left out, no {OUTPUT_RMS}layer_<i> logged:", ""] + [f"- {run.path}" for run in skipped]
+        lines += ["", f"Left out, no {metric} logged:", ""] + [f"- {run.path}" for run in skipped]
     return lines + [""]
+
+
+def output_rms_section(arms: list[Arm], profiles: list[DepthProfile]) -> list[str]:
+    """summary.md's table of the numbers in output_rms_by_layer.png, one row per arm."""
+    layers = sorted({i for p in profiles for i, _ in p.layers})
+    rows = [[p.name] + [fmt_estimate(dict(p.layers).get(i), ".3f") for i in layers] + [fmt_estimate(p.final, ".3f")]
+            for p in profiles]
+    body = [f"Each run's last logged {OUTPUT_RMS}layer_<i> and final (the normed state the head reads), "
+            "mean ± standard error over the seeds (output_rms_by_layer.png).", ""]
+    body += markdown_table(["setting"] + [f"layer {i}" for i in layers] + ["final"], rows)
+    return profile_section("Output RMS by layer at the end of the run", f"{OUTPUT_RMS}layer_<i>", arms, profiles,
+                           body, ": no output_rms_by_layer.png")
+
+
+def weights_section(arms: list[Arm], profiles: list[WeightsProfile]) -> list[str]:
+    """summary.md's table of each arm's weight RMS per kind and largest attention logit, one row
+    per arm: whether one optimizer grows its weights, or its logits towards saturation, more."""
+    # sorted: the same columns in the same order whichever order each run logged them in
+    kinds = sorted({kind for p in profiles for kind in p.weight_rms})
+    # 5 decimals: a matrix's weight RMS is ~0.01 to 0.1, and its seeds can differ from the 5th on
+    rows = [[p.name] + [fmt_estimate(p.weight_rms.get(kind), ".5f") for kind in kinds]
+            + [fmt_estimate(p.max_logit, ".2f")] for p in profiles]
+    body = [f"Each run's last logged {WEIGHT_RMS}<kind> (a column per kind) and the largest of its last "
+            f"logged {MAX_LOGIT}layer_<i> over the layers (max logit), mean ± standard error over the seeds.", ""]
+    body += markdown_table(["setting"] + kinds + ["max logit"], rows)
+    return profile_section("Weights and attention logits at the end of the run",
+                           f"{WEIGHT_RMS}<kind> or {MAX_LOGIT}layer_<i>", arms, profiles, body)
 
 
 def fmt(value: float | None, spec: str = ".4f") -> str:
@@ -617,7 +710,7 @@ def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinish
     out.mkdir(parents=True, exist_ok=True)
     # every lr of the sweep: how the lr moves the activations is what such a sweep can show
     profiles = depth_profiles(arms)
-    report += output_rms_section(arms, profiles)
+    report += output_rms_section(arms, profiles) + weights_section(arms, weights_profiles(arms))
     plotted = plot_output_rms_by_layer(profiles, out)
     if plotted is not None:
         print(f"wrote {plotted}")
@@ -681,7 +774,7 @@ def main() -> None:
                plot_family(selected, OUTPUT_RMS, "output RMS of each block (residual stream)", args.out,
                            "output_rms.png"),
                plot_output_rms_by_layer(profiles, args.out),
-               plot_family(selected, "attn/max_logit/", "max attention logit per layer", args.out,
+               plot_family(selected, MAX_LOGIT, "max attention logit per layer", args.out,
                            "max_attn_logit.png"),
                # QK-clip runs only (optim.qk_clip.enabled; tau=inf records without clipping):
                # the training batches' largest logit before and after the clip, heads clipped
@@ -716,7 +809,7 @@ def main() -> None:
             report += sweep_table([b] + longer, arms_b, eval_keys(runs), with_steps=True) + [""]
         report += [f"## Schedule ratio: {b.optimizer} with longer schedules vs A's final loss", ""]
         report += honest_table(a, arms_b, eval_keys(runs)) + [""]
-    report += output_rms_section(selected, profiles)
+    report += output_rms_section(selected, profiles) + weights_section(selected, weights_profiles(selected))
     (args.out / "summary.md").write_text("\n".join(report))
     print("\n" + "\n".join(report))
     print(f"wrote {args.out / 'summary.md'}")

@@ -74,14 +74,17 @@ def test_ewm_is_bias_corrected_and_follows_the_recurrence():
 
 def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus: str | None = None,
               seed: int | None = None, precision: str | None = None, every: int = 1, optim: dict | None = None,
-              output_rms: list[float] | None = None) -> None:
+              output_rms: list[float] | None = None, weight_rms: dict[str, float] | None = None,
+              max_logit: list[float] | None = None) -> None:
     """A run dir as train.py leaves it; with `corpus`, also its environment.json; with `seed`,
     a config that names it (runs without one are never grouped as seeds of one setting); with
     `precision`, the resolved_config.yaml that records what trainer.precision ran in. `losses`
     are logged every `every` steps, from step `every` on. `optim` adds keys to the config's
     optim section (optim.lr_overrides, ...). `output_rms`: each layer's output RMS and then
     the final normed state's at the last step, logged at every step scaled by step / last step,
-    so that only the last logged values are these."""
+    so that only the last logged values are these; `weight_rms` likewise, by kind. `max_logit`:
+    each layer's attention logit at the last step, scaled by last step / step, so that the
+    largest over the run is an earlier one."""
     (path / ".hydra").mkdir(parents=True)
     if precision is not None:
         (path / "resolved_config.yaml").write_text(f"trainer:\n  precision: {precision}\n")
@@ -98,14 +101,21 @@ def write_run(path: Path, optimizer: str, lr: float, losses: list[float], corpus
         for step, loss in zip(range(every, last + 1, every), losses):
             record = {"step": step, "tokens": step * 10, "train/loss": loss,
                       "val/val/loss": loss + 0.1, "val/ood_prose/loss": loss + 1}
-            f.write(json.dumps({**record, **output_rms_record(output_rms or [], step / last)}) + "\n")
+            record |= output_rms_record(output_rms or [], step / last)
+            record |= scaled({f"model/weight_rms/{kind}": v for kind, v in (weight_rms or {}).items()}, step / last)
+            record |= scaled({f"attn/max_logit/layer_{i}": v for i, v in enumerate(max_logit or [])}, last / step)
+            f.write(json.dumps(record) + "\n")
 
 
 def output_rms_record(values: list[float], scale: float) -> dict[str, float]:
     """model/output_rms/layer_<i> for all but the last of `values`, model/output_rms/final for
     the last, each times `scale`."""
     keys = [f"model/output_rms/layer_{i}" for i in range(len(values) - 1)] + ["model/output_rms/final"]
-    return {key: value * scale for key, value in zip(keys, values)} if values else {}
+    return scaled(dict(zip(keys, values)), scale)
+
+
+def scaled(record: dict[str, float], scale: float) -> dict[str, float]:
+    return {key: value * scale for key, value in record.items()}
 
 
 def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
@@ -649,6 +659,7 @@ def test_cli_writes_the_output_rms_panel_and_its_table_and_names_runs_without_it
     proc = compare(tmp_path, str(tmp_path / "old_muon"), str(tmp_path / "old_adamw"))
     assert proc.returncode == 0, proc.stderr
     assert "No compared run logged model/output_rms/layer_<i>: no output_rms_by_layer.png." in proc.stdout
+    assert "No compared run logged model/weight_rms/<kind> or attn/max_logit/layer_<i>." in proc.stdout
     assert not (tmp_path / "cmp" / "output_rms_by_layer.png").exists()
 
 
@@ -662,3 +673,55 @@ def test_a_sweep_of_one_optimizer_gets_the_output_rms_panel_too(tmp_path):
     assert "| adamw lr=0.001, 2 steps | 1.000 | 2.000 | 1.100 |" in lines
     assert "| adamw lr=0.001, 3 steps | 3.000 | 4.000 | 1.200 |" in lines
     assert (tmp_path / "cmp" / "output_rms_by_layer.png").stat().st_size > 1000
+
+
+# Per optimizer and seed: the last step's weight RMS by kind (in the order logged, not sorted)
+# and attention logit by layer.
+WEIGHTS_FINALS = {
+    "muon": {0: ({"norm": 0.86, "attn_q": 0.0719, "embed": 0.0654}, [15.5, 67.7, 33.9]),
+             1: ({"norm": 0.87, "attn_q": 0.0714, "embed": 0.0648}, [42.1, 30.2, 68.2]),
+             2: ({"norm": 0.85, "attn_q": 0.0724, "embed": 0.0656}, [58.6, 12.0, 20.4])},
+    "adamw": {0: ({"norm": 0.987, "attn_q": 0.0225, "embed": 0.0211}, [30.2, 8.0, 11.5])},
+}
+
+
+def weights_row(name: str, finals: list[tuple[dict[str, float], list[float]]]) -> str:
+    """The row the seeds' `finals` should give: each kind (sorted) and the largest logit over the
+    layers, mean ± standard error over the seeds, or the plain value for one seed."""
+    import statistics
+
+    def cell(values: list[float], spec: str) -> str:
+        if len(values) == 1:
+            return format(values[0], spec)
+        return f"{statistics.fmean(values):{spec}} ± {statistics.stdev(values) / len(values) ** 0.5:{spec}}"
+
+    kinds = sorted(finals[0][0])
+    cells = [cell([rms[kind] for rms, _ in finals], ".5f") for kind in kinds]
+    return f"| {name} | " + " | ".join(cells + [cell([max(logits) for _, logits in finals], ".2f")]) + " |"
+
+
+def test_the_weights_table_is_each_arms_last_weight_rms_and_largest_last_logit(tmp_path):
+    """Each kind's last logged weight RMS and each run's largest last logged logit over the layers
+    (not the largest over the run), mean ± se over the seeds; a run without them is named."""
+    for optimizer, seeds in WEIGHTS_FINALS.items():
+        for seed, (rms, logits) in seeds.items():
+            write_run(tmp_path / optimizer / str(seed), optimizer, 1e-2 if optimizer == "muon" else 1e-3,
+                      [5.0, 4.0, 3.0 + 0.1 * seed], seed=seed, weight_rms=rms, max_logit=logits)
+    write_run(tmp_path / "muon" / "3", "muon", 1e-2, [5.0, 4.0, 3.3], seed=3)  # from before the metrics
+    muon_row = weights_row("muon lr=0.01 (3 seeds)", list(WEIGHTS_FINALS["muon"].values()))
+    # seeds 0-2's largest logits 67.7, 68.2, 58.6; norm's 0.86, 0.87, 0.85
+    assert muon_row == ("| muon lr=0.01 (3 seeds) | 0.07190 ± 0.00029 | 0.06527 ± 0.00024 | 0.86000 ± 0.00577 "
+                        "| 64.83 ± 3.12 |")
+    title = "## Weights and attention logits at the end of the run"
+
+    proc = compare(tmp_path, str(tmp_path / "muon"), str(tmp_path / "adamw"))
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "cmp" / "summary.md").read_text().split(title)[1].splitlines()
+    table = lines.index("| setting | attn_q | embed | norm | max logit |")
+    assert lines[table + 2:table + 4] == [muon_row, "| adamw lr=0.001 | 0.02250 | 0.02110 | 0.98700 | 30.20 |"]
+    left_out = lines.index("Left out, no model/weight_rms/<kind> or attn/max_logit/layer_<i> logged:")
+    assert lines[left_out + 2] == f"- {tmp_path / 'muon' / '3'}"
+
+    proc = compare(tmp_path, str(tmp_path / "muon"))  # a sweep of one optimizer gets it too
+    assert proc.returncode == 0, proc.stderr
+    assert muon_row in (tmp_path / "cmp" / "summary.md").read_text().split(title)[1].splitlines()
