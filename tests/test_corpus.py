@@ -325,7 +325,7 @@ def test_a_library_with_none_of_the_pinned_text_says_where_it_looked(libraries):
 
 
 def _gather_corpus_ids(rank: int, world_size: int) -> str:
-    from trainer.loop import check_same_corpus
+    from trainer.build import check_same_corpus
     from parallel.mesh import Mesh
 
     mesh = Mesh(rank=rank, world_size=world_size)
