@@ -47,7 +47,9 @@ def test_a_suspect_checkpoint_is_refused_by_name_unless_allowed(tmp_path):
     proc = cli(tmp_path / "again", f"checkpoint.resume={suspect}")
     assert proc.returncode == 2
     line = error_line(proc)
-    assert line.startswith(f"error: {suspect}: its weights are suspect") and "checkpoint.allow_suspect=true" in line
+    # Refused by the preflight, before Hydra writes a run dir.
+    assert line.startswith(f"error: checkpoint.resume: {suspect}: its weights are suspect")
+    assert "checkpoint.allow_suspect=true" in line and not (tmp_path / "again").exists()
     proc = cli(tmp_path / "again", f"checkpoint.resume={suspect}", "checkpoint.allow_suspect=true",
                "trainer.max_steps=6", "trainer.batch_size=2", "trainer.nonfinite=skip")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,7 +31,8 @@ def test_minus_one_is_the_rest_of_the_world(world, keys, layout):
     (4, {"tp": 3}, "parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=3 does not multiply out to "
                    "4 processes (the number torchrun started)"),
     (1, {"tp": 2}, "parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=2 does not multiply out to "
-                   "a single process (started without torchrun)"),
+                   "a single process (started without torchrun): start 2 processes (torchrun --nproc_per_node=2 "
+                   "train.py ...)"),
     (8, {"tp": 2, "dp_replicate": 2}, "parallel.dp_replicate=2 x parallel.dp_shard=1 x parallel.tp=2 does not "
                                       "multiply out to 8 processes (the number torchrun started)"),
     (8, {"dp_replicate": -1, "dp_shard": -1}, "parallel.dp_replicate=-1 and parallel.dp_shard=-1: at most one "
@@ -54,7 +55,8 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
 
 @pytest.mark.parametrize("args, line", [
     (["parallel.tp=2"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=2 does not multiply "
-                        "out to a single process (started without torchrun)"),
+                        "out to a single process (started without torchrun): start 2 processes (torchrun "
+                        "--nproc_per_node=2 train.py ...)"),
     (["parallel.dp_shard=0"], "error: parallel.dp_shard must be >= 1, got 0"),
     (["parallel.dp_shard=-1"], "error: parallel.dp_replicate=-1 and parallel.dp_shard=-1: at most one size can be "
                                "the rest of the world"),
