@@ -215,9 +215,15 @@ def check_known_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = 
             check_known_keys(cfg[key], sub, f"{name}.")
 
 
+def nearest(name: str, options: list[str]) -> Optional[str]:
+    """The option `name` most likely misspells, if any is close: the one rule for every hint."""
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
 def _hint(key: str, known: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    return f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(known)})"
+    close = nearest(key, known)
+    return f" (did you mean {prefix}{close}?)" if close else f" (known: {', '.join(known)})"
 
 
 def key_hint(section: str, key: str) -> str:

@@ -24,7 +24,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.config import ConfigError, TrainConfig, key_hint, layout_keys, to_dataclass, validate
+from trainer.config import ConfigError, TrainConfig, key_hint, layout_keys, nearest, to_dataclass, validate
 
 # A sweep with more jobs than this has its first MAX_SWEEP_JOBS checked here and the rest by
 # each job's own main(): each check composes a config (tens of milliseconds).
@@ -83,7 +83,7 @@ def hydra_error_line(err: Exception, overrides: list[str]) -> str:
         if missing:
             group, name = missing.groups()
             options = re.findall(r"^\t(\S+)$", text.split(f"Available options in '{group}':", 1)[-1], re.M)
-            close = _nearest(name, options)
+            close = nearest(name, options)
             hint = f"did you mean {group}={close}? " if close else ""
             return f"{group}={name}: no such preset ({hint}available: {', '.join(options) or 'none'})"
     cause = err.__cause__ if err.__cause__ is not None else err
@@ -106,13 +106,6 @@ def _unparsable(overrides: list[str]) -> Optional[str]:
         except Exception:
             return override
     return None
-
-
-def _nearest(name: str, options: list[str]) -> Optional[str]:
-    import difflib
-
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return close[0] if close else None
 
 
 def sweep_jobs(overrides: list[str], sweeper_params: dict[str, str]) -> list[list[str]]:
