@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# trainer.activation_checkpointing's values (model/activation_checkpoint.py applies them).
+CHECKPOINTING_MODES = ("none", "full", "selective")
+
 
 @dataclass
 class ModelConfig:
@@ -22,6 +25,10 @@ class ModelConfig:
     # Std of the normal init of every matrix; output projections (wo, w_down) are further
     # scaled by 1/sqrt(2 * n_layers) so the residual stream does not grow with depth.
     init_std: float = 0.02
+    # Compute the LM head and its cross-entropy this many slices of tokens at a time, forward
+    # and backward, so the [tokens, vocab] logits are never whole (model/chunked_loss.py);
+    # 1 computes them at once.
+    loss_chunks: int = 1
     # Set at run time from the tokenizer; a preset never needs to name it.
     vocab_size: int = 0
     # Mixture of experts (model/moe.py); n_experts = 0 is a dense model.

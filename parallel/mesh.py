@@ -219,13 +219,39 @@ def init_mesh(layout_keys: dict[str, int], device: torch.device, backend: str = 
     return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard, ep=layout.ep)
 
 
-def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1, ep: int = 1) -> Mesh:
+def init_simulated_mesh(layout_keys: dict[str, int], world_size: int, rank: int, device: torch.device) -> Mesh:
+    """This process as rank `rank` of a `world_size`-rank job, over torch's fake process groups:
+    every group of the real mesh exists, with its real ranks and sizes, but its collectives move
+    no data (an all-reduce leaves its input, an all-to-all hands the input back as the output,
+    an all-gather leaves its output unwritten). Shapes, sharding and this rank's memory are the
+    real ones; values that other ranks would contribute are not. For dry runs and estimates."""
+    if dist.is_initialized():
+        raise RuntimeError("a simulated mesh needs a process without a process group (not under torchrun)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"parallel.simulate_rank={rank} must lie in [0, parallel.simulate_world={world_size})")
+    layout = check_layout(world_size, layout_keys)
+    # torch's own testing module holds the fake store; importing it has no side effects.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return build_mesh(layout.tp, dp_shard=layout.dp_shard, ep=layout.ep, device_type=device.type)
+
+
+def is_simulated() -> bool:
+    """Whether this process runs over fake process groups (init_simulated_mesh)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1, ep: int = 1,
+               device_type: Optional[str] = None) -> Mesh:
     """The mesh over an initialised default group, `dp_replicate` the rest of the world.
     Every rank must call this (group creation is collective). `timeout` bounds the host
-    group's collectives like the default group's."""
+    group's collectives like the default group's. `device_type`: the mesh's device, by default
+    the backend's (cuda for nccl, else cpu)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard, ep=ep)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    backend = dist.get_backend()
+    device_type = device_type or ("cuda" if backend == "nccl" else "cpu")
     device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
     tp_group = device_mesh.get_group("tp")
     dp_group = device_mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
@@ -251,7 +277,8 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
     label_group(device_mesh.get_group("dp_shard"), "dp_shard")
     label_group(tp_group, "tp")
     label_group(dp_group, "dp")
-    host_group = new_host_group("host", timeout) if dist.get_backend() != "gloo" else None
+    # gloo already runs on the host; fake groups have no host to agree with.
+    host_group = new_host_group("host", timeout) if backend not in ("gloo", "fake") else None
     return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
                 ep_group=ep_group, edp_group=edp_group, expert_mesh=experts, host_group=host_group,
                 device_mesh=device_mesh)

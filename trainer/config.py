@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig
-from model.config import ModelConfig
+from model.config import CHECKPOINTING_MODES, ModelConfig
 from optim.config import OptimConfig
 from optim.muon import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
@@ -66,6 +66,11 @@ class TrainerConfig:
     # device), since a CPU has no datasheet figure worth trusting; set it to compare runs
     # against a fixed figure (e.g. a GPU's dense bf16 peak).
     peak_tflops: float = 0.0
+    # Recompute activations in the backward instead of keeping them (model/activation_checkpoint.py):
+    # "none"; "full" keeps only each block's input and reruns the whole block; "selective" keeps
+    # the outputs of attention, of every other matmul and of communication, and reruns the
+    # pointwise work. Applied before compile and FSDP2, which wrap the checkpointed blocks.
+    activation_checkpointing: str = "none"
 
 
 @dataclass
@@ -136,6 +141,13 @@ class ParallelConfig:
     # run instead of hanging it. It also bounds how long the other ranks wait while rank 0
     # builds the tokenizer and token cache of a first run: raise it for a very large data=hf.
     timeout_s: float = 1800.0
+    # A dry run: 0 trains for real. N > 1 runs this one process as rank `simulate_rank` of an
+    # N-rank layout (the parallel.* keys above describe the whole N-rank mesh) over fake
+    # process groups whose collectives move no data: the real shapes, sharding, optimizer
+    # owner plan and memory of that rank, at full size on one device. Its losses mean nothing
+    # and it writes no checkpoint (trainer/simulate.py).
+    simulate_world: int = 0
+    simulate_rank: int = 0
 
 
 def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
@@ -266,6 +278,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.tf32 must be true or false, got {t.tf32!r}")
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
+    _choice("trainer.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING_MODES)
+    _positive("model.loss_chunks", m.loss_chunks)
     _positive("trainer.nonfinite_max_consecutive", t.nonfinite_max_consecutive)
     if not t.peak_tflops >= 0:  # also rejects NaN
         raise ConfigError(f"trainer.peak_tflops must be >= 0 (0 = measure at start-up), got {t.peak_tflops}")
@@ -354,6 +368,10 @@ def validate(cfg: TrainConfig) -> None:
         if value != -1:
             _positive(f"parallel.{key}", value)
     _choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
+    _positive("parallel.simulate_world", cfg.parallel.simulate_world, minimum=0)
+    if cfg.parallel.simulate_world and not 0 <= cfg.parallel.simulate_rank < cfg.parallel.simulate_world:
+        raise ConfigError(f"parallel.simulate_rank={cfg.parallel.simulate_rank} must lie in [0, "
+                          f"parallel.simulate_world={cfg.parallel.simulate_world})")
     if not cfg.parallel.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s must be > 0, got {cfg.parallel.timeout_s}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
