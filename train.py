@@ -5,6 +5,7 @@
     python train.py -m optim=muon,adamw optim.lr=1e-3,3e-3   # Hydra multirun sweep
     python train.py -m +experiment=muon_vs_adamw_small       # a pinned comparison sweep
     torchrun --nproc_per_node=8 train.py parallel.tp=2       # one run over 8 processes
+    python train.py parallel.simulate_world=8 parallel.dp_shard=8   # rank 0 of that layout, alone
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
 from trainer.preflight import check_config, config_warnings, preflight
 from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.simulate import simulating
 
 register_configs()
 log = logging.getLogger("train")
@@ -115,7 +117,8 @@ def main(cfg: DictConfig) -> float:
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
     for line in config_warnings(typed):
         log.warning(line)
-    resume_line = f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
+    # A simulation (parallel.simulate_world) leaves no checkpoint to resume from.
+    resume_line = None if simulating(typed) else f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
     trainer: Trainer | None = None
     try:
         trainer = Trainer(typed, run_dir)
@@ -130,15 +133,16 @@ def main(cfg: DictConfig) -> float:
         if not multirun:
             if not print_error(str(err)):
                 exit_silently(3)
-            print(f"{resume_line} (from the last good checkpoint; change what diverged first, e.g. optim.lr)",
-                  file=sys.stderr)
+            if resume_line is not None:
+                print(f"{resume_line} (from the last good checkpoint; change what diverged first, e.g. optim.lr)",
+                      file=sys.stderr)
             sys.exit(3)
         # One diverging lr must not cost the rest of the sweep: this job scores NaN.
         log.error("job %s (%s) diverged; the sweep continues: %s",
                   hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults", err)
         return float("nan")
     except SystemExit as stop:
-        if stop.code == PREEMPTED_EXIT_CODE and trainer is not None and trainer.mesh.is_main:
+        if stop.code == PREEMPTED_EXIT_CODE and trainer is not None and trainer.speaks and resume_line is not None:
             print(resume_line, file=sys.stderr)  # a checkpoint of this very step was just saved
         raise
     except Exception:

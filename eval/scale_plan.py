@@ -33,24 +33,22 @@ of tp_mode=gather (the momentum all-gather of TP-sharded matrices). Newton-Schul
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
 import yaml
 
 from eval.collectives import Link, all_reduce_s, ring_all_gather_s, ring_reduce_scatter_s
 from eval.flops import train_flops_per_token
+# The parameter inventory and the memory formulas live in eval/memory_plan.py (local_params and
+# fsdp_memory are still importable from here, where this module's users found them).
+from eval.memory_plan import (ROOT_UNIT, Local, fsdp_memory, fsdp_padded_numel, fsdp_unit_numels, local_params,
+                              planned_memory)
 from model.config import ModelConfig
-from model.gpt import GPT
-from model.parallelize import tp_split_dim
-from parallel.tp_layers import padded_vocab
-from optim.routing import route_parameters
+from parallel.mesh import Layout
 from optim.zero_plan import ParamSpec, ZeroPlan, build_plan
 
-NS_STEPS = 5
 DESIGNS = ("adamw-zero1", "muon-ours", "moonlight", "megatron-poc", "adamw-fsdp", "muon-fsdp", "adamw-hsdp",
            "muon-hsdp", "adamw-ep", "muon-ep")
 FSDP_DESIGNS = DESIGNS[4:8]
@@ -63,73 +61,7 @@ ADAMW_BYTES_PER_ELEMENT = 28
 MUON_BYTES_PER_ELEMENT = 32
 
 
-@dataclass
-class Local:
-    """One parameter as a TP rank holds it."""
-
-    numel: int
-    muon: bool
-    matrices: tuple[tuple[int, int], ...]  # the whole matrices Newton-Schulz sees (E for experts)
-    tp_sharded: bool
-    shape: tuple[int, ...] = ()  # TP-local
-    unit: int = -1  # its FSDP2 unit: the block's index, or ROOT_UNIT (embedding, final norm, head)
-    expert: bool = False  # a routed expert stack (under EP, this rank's experts)
-
-    @property
-    def ns_flops(self) -> float:
-        return sum(ns_flops(r, c) for r, c in self.matrices)
-
-    @property
-    def full_numel(self) -> int:
-        return sum(r * c for r, c in self.matrices)
-
-
-def ns_flops(rows: int, cols: int) -> float:
-    m, n = min(rows, cols), max(rows, cols)
-    return NS_STEPS * (4 * m * m * n + 2 * m**3)
-
-
-def local_params(cfg: ModelConfig, tp: int, ep: int = 1) -> list[Local]:
-    """Every parameter's TP-local size and Muon matrices, from shapes alone (on the meta
-    device, so an 8B model costs no memory). Under EP (`ep` > 1) a rank holds n_experts / ep
-    whole experts of each stack, which TP leaves whole."""
-    with torch.device("meta"):
-        model = GPT(cfg)
-    routes = {r.name: r for r in route_parameters(model, "muon")}
-    out = []
-    for name, p in model.named_parameters():
-        expert = ".experts." in name
-        dim = tp_split_dim(name, split_experts=ep == 1) if tp > 1 else None
-        shape = list(p.shape)
-        if dim is not None:
-            if name.endswith(("embed.weight", "head.weight")):
-                shape[0] = padded_vocab(shape[0], tp)
-            shape[dim] //= tp
-        if expert and ep > 1:
-            shape[0] //= ep
-        matrices = ((p.shape[-2], p.shape[-1]),) * (shape[0] if p.ndim == 3 else 1) if p.ndim >= 2 else ()
-        block = re.match(r"blocks\.(\d+)\.", name)
-        out.append(Local(math.prod(shape), routes[name].optimizer == "muon", matrices, dim is not None,
-                         tuple(shape), int(block.group(1)) if block else ROOT_UNIT, expert))
-    return out
-
-
-# ---- FSDP2 (parallel/fsdp.py, optim/sharded_muon.py): per-rank bytes and memory ----
-
-ROOT_UNIT = -1
-
-
-def fsdp_padded_numel(shape: tuple[int, ...], n: int) -> int:
-    """Elements FSDP2 moves for a parameter sharded n ways: dim 0 padded to a multiple of n."""
-    return math.ceil(shape[0] / n) * n * math.prod(shape[1:])
-
-
-def fsdp_unit_numels(params: list[Local], n: int) -> dict[int, int]:
-    """Padded elements of each FSDP2 unit (a block, or the root)."""
-    units: dict[int, int] = {}
-    for p in params:
-        units[p.unit] = units.get(p.unit, 0) + fsdp_padded_numel(p.shape, n)
-    return units
+# ---- FSDP2 (parallel/fsdp.py, optim/sharded_muon.py): per-rank bytes ----
 
 
 def fsdp_dp_bytes(params: list[Local], n: int, micro_batches: int = 1, param_bytes: int = 2,
@@ -152,23 +84,6 @@ def muon_exchange_bytes_per_rank(params: list[Local], n: int, ns_bytes: int = 2)
     if n == 1:
         return 0.0
     return (4 + ns_bytes) * sum(p.numel for p in params if p.muon and len(p.shape) == 2) / n
-
-
-def fsdp_memory(params: list[Local], n: int, optim: str, param_bytes: int = 2) -> dict[str, float]:
-    """Per-rank bytes under FSDP2: fp32 parameters and gradients sharded n ways (rank 0 holds
-    the most: ceil(rows / n) of each), optimizer state likewise (Muon: a momentum for its
-    matrices, AdamW two moments), and the largest unit gathered for compute. The vocabulary
-    padding of TP is in the shapes; tied or frozen parameters are not modelled."""
-    shard = sum(fsdp_padded_numel(p.shape, n) // n for p in params)
-    muon = sum(fsdp_padded_numel(p.shape, n) // n for p in params if p.muon and optim == "muon")
-    adamw_tensors = sum(1 for p in params if not (p.muon and optim == "muon"))
-    return {
-        "params": 4 * shard,
-        "grads": 4 * shard,
-        # AdamW also keeps a 4-byte step count per tensor
-        "optimizer_state": 4 * muon + 8 * (shard - muon) + 4 * adamw_tensors,
-        "gathered": param_bytes * max(fsdp_unit_numels(params, n).values()),
-    }
 
 
 def tp_gather_bytes(p: Local, tp: int) -> int:
@@ -300,47 +215,26 @@ class Hardware:
         return self.nvlink if dp * tp <= self.gpus_per_node else self.ib
 
 
-def activation_bytes_per_token(cfg: ModelConfig, tp: int, fused_norm: bool = True) -> float:
-    """Bytes of activations autograd keeps for the backward pass, per token, under bf16
-    autocast with fp32 master weights and residual stream, flash attention (no T x T scores
-    kept), and no recomputation: the tensors this model saves, counted one by one (a test
-    checks the sum against the saved tensors of a real forward pass on the CPU).
+@dataclass(frozen=True)
+class MicroBatch:
+    """One rank's forward pass, as the memory plan needs it (eval/memory_plan.planned_memory):
+    `batch_size` sequences of `seq_len` tokens, bf16, with activation checkpointing and the
+    loss's chunks as the trainer would run them."""
 
-    With h = d_model, q = n_heads * head_dim, kv = n_kv_heads * head_dim, H = n_heads:
-      RMSNorm: its fp32 input and 1/rms (4h + 4); without a fused kernel (the CPU) also the
-        normalised fp32 product (+4h)
-      attention: a bf16 copy of the normed input for each of wq, wk, wv (autocast casts per
-        call, 6h); q, k, v after RoPE (2q + 4kv); the output and its row log-sum-exp
-        (2q + 4H); wo's input, the output made contiguous (2q)
-      dense SwiGLU (hidden f): the input cast for w_gate and for w_up (4h); gate, up,
-        silu(gate), their product (8f)
-      MoE (E experts, top-k, expert hidden e): the router's fp32 input and scores (4h + 4E),
-        the ids, sorting order and positions (3 x 8k), gates (4k + 4k + 4); per routed copy a
-        bf16 input (2h), 8e inside the expert, and its fp32 output for the weighted sum (4h);
-        shared experts as a SwiGLU of hidden n_shared * e
-      and the final norm, the head's bf16 input (2h), the log-softmax over the vocabulary
-      (fp32, 4V), the token ids and targets (16).
-    Under TP the projections' outputs, the experts' hidden units and the vocabulary are
-    split (divided by tp); the norms, their outputs' casts and the router are replicated.
-    """
-    h, hd, H = cfg.d_model, cfg.head_dim, cfg.n_heads
-    q, kv = H * hd, cfg.n_kv_heads * hd
-    norm = (4 if fused_norm else 8) * h + 4
-    attn = 6 * h + (6 * q + 4 * kv + 4 * H) / tp
-    dense_mlp = 4 * h + 8 * cfg.ffn_hidden / tp
-    e, k = cfg.expert_hidden or cfg.ffn_hidden, cfg.top_k
-    moe_mlp = (4 * h + 4 * cfg.n_experts + 24 * k + 8 * k + 4
-               + k * (2 * h + 8 * e / tp + 4 * h)
-               + (4 * h + 8 * cfg.n_shared_experts * e / tp if cfg.n_shared_experts else 0))
-    n_moe = cfg.n_layers - cfg.n_dense_layers if cfg.n_experts > 0 else 0
-    blocks = sum(2 * norm + attn + (moe_mlp if i >= cfg.n_layers - n_moe else dense_mlp)
-                 for i in range(cfg.n_layers))
-    return blocks + norm + 2 * h + 4 * cfg.vocab_size / tp + 16
+    cfg: ModelConfig
+    batch_size: int
+    seq_len: int
+    checkpointing: str = "none"
+    loss_chunks: int = 1
+
+    def memory(self, layout: Layout, optim: str) -> dict[str, float]:
+        return planned_memory(self.cfg, layout, optim, self.batch_size, self.seq_len, self.checkpointing,
+                              self.loss_chunks)
 
 
 @dataclass
 class Step:
-    """One (design, layout): per-rank memory (bytes) and predicted times (seconds)."""
+    """One (design, layout): per-rank memory (bytes; "total" the peak) and predicted times (seconds)."""
 
     design: str
     dp: int
@@ -369,7 +263,8 @@ class Step:
 
     @property
     def memory_total(self) -> float:
-        return sum(self.memory.values())
+        """The rank's peak (planned_memory's total; the parts peak at different moments)."""
+        return self.memory["total"]
 
 
 def tp_sizes(cfg: ModelConfig, gpus: int, hw: Hardware) -> list[int]:
@@ -385,14 +280,19 @@ def tp_sizes(cfg: ModelConfig, gpus: int, hw: Hardware) -> list[int]:
 
 
 def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: int, seq_len: int,
-            micro_batch: int, params: Optional[list[Local]] = None) -> dict[str, Step]:
-    """Every design at one layout. `micro_batch` sequences per rank per forward pass."""
+            micro_batch: int, params: Optional[list[Local]] = None, checkpointing: str = "none",
+            loss_chunks: int = 1) -> dict[str, Step]:
+    """Every design at one layout. `micro_batch` sequences per rank per forward pass, under
+    activation checkpointing `checkpointing` and the loss in `loss_chunks` slices."""
     params = params if params is not None else local_params(cfg, tp)
     rows = design_rows(params, dp, tp)
     local_numel = sum(p.numel for p in params)
     tokens_per_rank = tokens_per_step / dp
     micro_steps = max(1, math.ceil(tokens_per_rank / (seq_len * micro_batch)))
-    act = activation_bytes_per_token(cfg, tp, fused_norm=True) * seq_len * micro_batch
+    micro = MicroBatch(cfg, micro_batch, seq_len, checkpointing, loss_chunks)
+    # This trainer's ZeRO-1 designs, as planned_memory has them; the two baselines differ in
+    # their optimizer state and flat buffers only.
+    zero1 = {optim: micro.memory(Layout(dp_replicate=dp, tp=tp), optim) for optim in ("adamw", "muon")}
 
     compute = train_flops_per_token(cfg, seq_len) * tokens_per_step / (dp * tp * hw.matmul_flops)
     # Megatron-style TP: an all-reduce of the block's bf16 output after attention and after the
@@ -422,26 +322,24 @@ def predict(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, tokens_per_step: i
         # buffer. Ours pads to whole-matrix segments; the even splits pad to dp elements.
         flat_bytes = flat / 2
         zero_buffers = flat_bytes + 2 * flat_bytes / dp if dp > 1 else 0.0
-        memory = {
-            "params": 4 * local_numel,
-            "grads": 4 * local_numel + zero_buffers,
-            "optimizer_state": row.state,
-            "activations": act,
-        }
+        base = zero1["adamw" if design == "adamw-zero1" else "muon"]
+        memory = dict(base, grads=4 * local_numel + zero_buffers, optimizer_state=row.state)
+        # state and buffers are held through the whole step: the peak moves with them
+        memory["total"] += memory["grads"] + row.state - base["grads"] - base["optimizer_state"]
         steps[design] = Step(design, dp, tp, row, memory, times)
     for design in FSDP_DESIGNS:
-        step = fsdp_step(design, params, hw, dp, tp, micro_steps, compute, tp_act, act)
+        step = fsdp_step(design, params, hw, dp, tp, micro_steps, compute, tp_act, micro)
         if step is not None:
             steps[design] = step
     return steps
 
 
 def fsdp_step(design: str, params: list[Local], hw: Hardware, dp: int, tp: int, micro_steps: int,
-              compute: float, tp_act: float, act: float) -> Optional[Step]:
+              compute: float, tp_act: float, micro: MicroBatch) -> Optional[Step]:
     """An FSDP2 design (dp_shard = dp) or an HSDP one (dp_shard = the node's GPUs over TP,
     replicated across nodes), with our sharded Muon or AdamW; None where HSDP's groups do not
-    divide the layout. Bytes and memory are fsdp_dp_bytes, muon_exchange_bytes_per_rank and
-    fsdp_memory, the formulas tests/test_fsdp_training.py checks against a counted run; bf16
+    divide the layout. Bytes are fsdp_dp_bytes and muon_exchange_bytes_per_rank, the formulas
+    tests/test_fsdp_training.py checks against a counted run, memory planned_memory's; bf16
     all-gathers. FSDP2 overlaps its all-gathers (prefetched) and reduce-scatters (in the
     backward) with compute, so only what compute cannot hide counts; ShardedMuon's exchange,
     Newton-Schulz and TP gathers run in the optimizer step, like ZeRO-1's."""
@@ -485,8 +383,9 @@ def fsdp_step(design: str, params: list[Local], hw: Hardware, dp: int, tp: int, 
     # Between the micro-batches of an accumulation FSDP2 keeps the gradients unsharded (fp32):
     # no reduce-scatter until the last one.
     accumulated = 4 * sum(p.numel for p in params) if micro_steps > 1 else 0.0
-    mem = {"params": memory["params"], "grads": memory["grads"] + memory["gathered"] + accumulated,
-           "optimizer_state": memory["optimizer_state"], "activations": act}
+    mem = micro.memory(Layout(dp_replicate=replicate, dp_shard=shard, tp=tp), optim)
+    mem["grads"] += accumulated
+    mem["total"] += accumulated
     return Step(design, dp, tp, row, mem, times)
 
 
@@ -505,7 +404,7 @@ def ep_all_to_all_bytes(cfg: ModelConfig, tokens: int, tp: int, act_bytes: int =
 
 
 def ep_step(design: str, cfg: ModelConfig, params: list[Local], hw: Hardware, dp: int, tp: int, ep: int,
-            micro_steps: int, tokens_micro: int, compute: float, tp_act: float, act: float) -> Step:
+            micro_steps: int, tokens_micro: int, compute: float, tp_act: float, micro: MicroBatch) -> Step:
     """An EP design at (dp, tp, ep): `params` from local_params(cfg, tp, ep). ZeRO-1 runs two
     plans, as optim/zero.py does: the dense parameters over DP, this EP rank's experts over the
     dp / ep ranks that hold the same ones (each expert stack owned whole, no gather). Each MoE
@@ -560,11 +459,7 @@ def ep_step(design: str, cfg: ModelConfig, params: list[Local], hw: Hardware, dp
         "opt_elementwise": (ADAMW_BYTES_PER_ELEMENT * row.adamw_elements
                             + MUON_BYTES_PER_ELEMENT * row.muon_elements) / hw.hbm_bytes_s,
     }
-    local_numel = sum(p.numel for p in params)
-    buffers = sum(4 * flat * (1 + 2 / n) for flat, n in ((dense_flat, dp), (expert_flat, edp)) if n > 1)
-    memory = {"params": 4 * local_numel, "grads": 4 * local_numel + buffers, "optimizer_state": row.state,
-              "activations": act}
-    return Step(design, dp, tp, row, memory, times, ep)
+    return Step(design, dp, tp, row, micro.memory(Layout(dp_replicate=dp, tp=tp, ep=ep), optim), times, ep)
 
 
 def ep_sizes(cfg: ModelConfig, dp: int) -> list[int]:
@@ -573,13 +468,14 @@ def ep_sizes(cfg: ModelConfig, dp: int) -> list[int]:
 
 
 def predict_ep(cfg: ModelConfig, hw: Hardware, dp: int, tp: int, ep: int, tokens_per_step: int, seq_len: int,
-               micro_batch: int, params: Optional[list[Local]] = None) -> dict[str, Step]:
+               micro_batch: int, params: Optional[list[Local]] = None, checkpointing: str = "none",
+               loss_chunks: int = 1) -> dict[str, Step]:
     """The EP designs at one (dp, tp, ep) layout, with predict's compute and TP terms."""
     params = params if params is not None else local_params(cfg, tp, ep)
     micro_steps = max(1, math.ceil(tokens_per_step / dp / (seq_len * micro_batch)))
-    act = activation_bytes_per_token(cfg, tp, fused_norm=True) * seq_len * micro_batch
+    micro = MicroBatch(cfg, micro_batch, seq_len, checkpointing, loss_chunks)
     compute = train_flops_per_token(cfg, seq_len) * tokens_per_step / (dp * tp * hw.matmul_flops)
     per_call = 2 * seq_len * micro_batch * cfg.d_model
     tp_act = 4 * cfg.n_layers * micro_steps * all_reduce_s(per_call, tp, hw.nvlink) if tp > 1 else 0.0
-    return {d: ep_step(d, cfg, params, hw, dp, tp, ep, micro_steps, seq_len * micro_batch, compute, tp_act, act)
+    return {d: ep_step(d, cfg, params, hw, dp, tp, ep, micro_steps, seq_len * micro_batch, compute, tp_act, micro)
             for d in EP_DESIGNS}

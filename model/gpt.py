@@ -10,15 +10,17 @@ and values and attends over everything cached so far.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.activation_checkpoint import recomputing
 from model.attention_logits import attention_with_head_max, causal_max_logit
+from model.chunked_loss import chunked_head_loss
 from model.config import ModelConfig
+from model.init import InitRule, init_whole
 from model.moe import MoE
 
 
@@ -132,8 +134,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # A checkpoint's rerun in the backward (model/activation_checkpoint.py) computes what
+        # the forward did, for the same saved tensors, but records nothing the forward recorded.
         if max_logit_out is not None:
-            max_logit_out.append(causal_max_logit(q, k))
+            max_logit = causal_max_logit(q, k)
+            if not recomputing():
+                max_logit_out.append(max_logit)
         mask, causal = None, True
         if kv is not None:
             start = kv.length
@@ -146,7 +152,8 @@ class Attention(nn.Module):
                 mask = cached_causal_mask(start, seq, x.device)
         if self.head_max_logit is not None and kv is None and torch.is_grad_enabled():
             y, head_max = attention_with_head_max(q, k, v)
-            self.head_max_logit.copy_(torch.maximum(self.head_max_logit, head_max))
+            if not recomputing():
+                self.head_max_logit.copy_(torch.maximum(self.head_max_logit, head_max))
         else:
             # GQA: each kv head serves n_heads / n_kv_heads query heads.
             y = F.scaled_dot_product_attention(
@@ -208,11 +215,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, init_seed: Optional[int] = None) -> None:
+        """`init_seed`: the seed of the initialisation rule (model/init.py); by default the
+        global generator's, so `torch.manual_seed(s); GPT(cfg)` is the model of seed s. Built
+        under torch.device("meta") it does no initialisation work: materialize() does it."""
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (it is taken from the tokenizer)")
         self.cfg = cfg
+        self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -226,18 +237,25 @@ class GPT(nn.Module):
         # for logging steps) and read with one transfer by `pop_output_rms`.
         self.register_buffer("output_sq_sum", torch.zeros(cfg.n_layers + 1), persistent=False)
         self.track_output_rms = False
-        self.reset_parameters()
+        if not self.embed.weight.is_meta:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if param.ndim == 1:
-                nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
-            else:
-                nn.init.normal_(param, mean=0.0, std=std)
+        """The initialisation rule (model/init.py) on this whole, unsharded model."""
+        init_whole(self, InitRule.of(self.cfg, self.init_seed))
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Every buffer's starting value, in place on the buffers' device: after the model
+        was given storage on its device (materialize), whose contents are garbage."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        self.output_sq_sum.zero_()
+        for block in self.blocks:
+            block.attn.head_max_logit = None
+            if isinstance(block.mlp, MoE):
+                block.mlp.reset_buffers()
 
     def forward(
         self,
@@ -262,10 +280,12 @@ class GPT(nn.Module):
             self._track_output(i, x)
         x = self.final_norm(x)
         self._track_output(self.cfg.n_layers, x)
-        logits = self.head(x)
         if targets is None:
-            return self.head.full_logits(logits)
-        loss = self.head.loss(logits, targets)
+            return self.head.full_logits(self.head(x))
+        if self.cfg.loss_chunks > 1:
+            loss = chunked_head_loss(self.head, x, targets, self.cfg.loss_chunks)
+        else:
+            loss = self.head.loss(self.head(x), targets)
         for block in self.blocks:
             aux = getattr(block.mlp, "aux_loss", None)
             if aux is not None:

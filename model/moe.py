@@ -24,6 +24,7 @@ from torch import nn
 from parallel.comm import Group, all_reduce, group_rank, group_size
 from parallel.expert_parallel import combine, dispatch
 from parallel.tp_ops import copy_to_tp, reduce_from_tp, sum_over
+from model.activation_checkpoint import recomputing
 from model.config import ModelConfig
 
 
@@ -129,6 +130,13 @@ class MoE(nn.Module):
         # never read the group itself (a traced group outlives the run in them).
         self.expert_parallel = False
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers' starting values (no bias, nothing routed yet), in place."""
+        self.expert_bias.zero_()
+        self.load.zero_()
+        self.entropy_sum.zero_()
+
     def route(self, x_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], gate values [N, k], scores [N, E]) for N tokens, in fp32."""
         # Autocast off: under bf16 autocast F.linear would compute in bf16 even on fp32
@@ -145,7 +153,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         x_flat = x.reshape(-1, dim)
-        self.aux_loss = None
+        if not recomputing():  # a checkpoint's rerun leaves the forward's loss (see below)
+            self.aux_loss = None
         # The router is replicated: it sees the full activations and every TP rank routes
         # identically. The experts see them through copy_to_tp, and the gates too, since each
         # rank's expert outputs (and so the gates' gradients) are partial sums over TP.
@@ -176,11 +185,14 @@ class MoE(nn.Module):
             out = out + self.shared(x_experts)
 
         if self.training:
-            self.load += counts.detach().float()
-            probs = scores.detach() / scores.detach().sum(-1, keepdim=True)
-            self.entropy_sum += -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()
-            if self.aux_loss_coef > 0:
-                self.aux_loss = self.balance_loss(scores, counts)
+            aux_loss = self.balance_loss(scores, counts) if self.aux_loss_coef > 0 else None
+            # Activation checkpointing reruns this forward in the backward: the rerun rebuilds
+            # the aux loss's saved tensors, but the forward counted this batch already.
+            if not recomputing():
+                self.load += counts.detach().float()
+                probs = scores.detach() / scores.detach().sum(-1, keepdim=True)
+                self.entropy_sum += -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()
+                self.aux_loss = aux_loss
         return out.view(batch, seq, dim)
 
     def set_ep_group(self, group: Group) -> None:

@@ -5,6 +5,10 @@ layer is split how. Attention is split by heads (wq, wk, wv column-parallel, wo
 row-parallel), the MLP by hidden units (gate and up column-parallel, down row-parallel),
 the embedding and LM head by vocabulary. Norms are replicated. Under expert parallelism
 (parallelize_moe) each rank keeps n_experts / ep whole experts, which TP leaves whole.
+
+Both work on a model on the meta device as on a real one: trainer/build.py shards the meta
+model and model/init.py then fills in each rank's part, by the splits recorded here
+(`tp_split_dim`: torch.chunk's part along that dim; `ep_split_dim`: this EP rank's experts).
 """
 from __future__ import annotations
 
@@ -112,6 +116,7 @@ def parallelize_moe(model: GPT, ep_group: Group, tp_group: Group, dp_group: Grou
         if ep == 1:
             continue
         check_expert_parallel(layer.n_experts, ep)
+        # torch.chunk's part along the expert dim, as model/init.py reads `ep_split_dim`.
         local = layer.n_experts // ep
         first = group_rank(ep_group) * local
         for name in ("w_gate", "w_up", "w_down"):

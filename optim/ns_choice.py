@@ -37,7 +37,7 @@ from optim.config import OptimConfig
 from optim.muon import parse_ns_dtype
 from optim.newton_schulz import NSShape, newton_schulz
 from optim.newton_schulz_tp import newton_schulz_sharded
-from parallel.comm import broadcast_object, group_size, world
+from parallel.comm import broadcast_object, group_size, simulated, world
 
 # timer(shape, method) -> seconds of one Newton-Schulz call on a small stack of `shape` with
 # `method` ("standard" or "gram"). Injectable, so the choice can be tested without timing. A
@@ -155,7 +155,8 @@ def choose(shapes: Iterable[NSShape], timer: Timer, rounds: int = ROUNDS) -> Mea
 
 
 def _world(group: Any) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
+    # A simulated rank (fake process groups) hears from no rank 0: it measures for itself.
+    if not (dist.is_available() and dist.is_initialized()) or simulated(group):
         return 0, 1
     return dist.get_rank(), group_size(group)
 

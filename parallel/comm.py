@@ -13,6 +13,15 @@ and "preemption". Objects (`*_object`) are counted by their pickled size.
 A group of None is a group of one: every collective is then a no-op (or a copy), so the same
 code runs in a single process. `world()` is the default group, or None without one.
 
+Over torch's fake process groups (a simulation: one process playing one rank of a larger
+layout, parallel/mesh.py's init_simulated_mesh) no data moves, and what each collective leaves
+in its output is what this rank has: an all-reduce or broadcast leaves its input, an all-gather
+repeats this rank's input in every slot, a reduce-scatter leaves this rank's chunk of its input,
+and an all-to-all hands this rank's input back as its output (`_loopback`: torch's own fake
+all-to-all copies the input's first block into every incoming block instead, and fails on an
+empty input); an object broadcast hands back this rank's own object. The bytes are counted
+all the same: what this rank would send.
+
 Under torch.profiler each collective is also a `comm/<group>/<op>` region of the trace, which
 scripts/analyze_trace.py attributes to communication by name.
 """
@@ -70,6 +79,21 @@ def group_size(group: Group) -> int:
 
 def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+def simulated(group: Group) -> bool:
+    """Whether `group` is a fake process group, whose collectives move no data (see above)."""
+    return group is not None and dist.get_backend(group) == "fake"
+
+
+def _loopback(out: torch.Tensor, x: torch.Tensor) -> None:
+    """An all-to-all over a fake group: out <- x, element for element as far as both reach, and
+    zeros past x's end. Where the splits in and out agree (the expert-parallel dispatch, whose
+    counts come back as sent) out is exactly x: every row returns to this rank."""
+    flat_out, flat_x = out.view(-1), x.reshape(-1)
+    n = min(flat_out.numel(), flat_x.numel())
+    flat_out[:n].copy_(flat_x[:n])
+    flat_out[n:].zero_()
 
 
 class CommCounter:
@@ -185,8 +209,11 @@ def all_to_all_into(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], i
         return out.copy_(x.reshape(out.shape))
     start = time.perf_counter()
     with _comm_region(group, "all_to_all", label):
-        dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), output_split_sizes=out_splits,
-                               input_split_sizes=in_splits, group=group)
+        if simulated(group):
+            _loopback(out, x)
+        else:
+            dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), output_split_sizes=out_splits,
+                                   input_split_sizes=in_splits, group=group)
     COUNTER.record(group, "all_to_all", _nbytes(x), time.perf_counter() - start, label)
     return out
 
@@ -227,8 +254,10 @@ def all_gather_object(obj: object, group: Group, label: str) -> list:
 
 
 def broadcast_object(obj: object, src: int, group: Group, label: str) -> object:
-    """Rank `src`'s `obj` (`src` a global rank); the others pass anything, e.g. None."""
-    if group_size(group) == 1:
+    """Rank `src`'s `obj` (`src` a global rank); the others pass anything, e.g. None. Over a
+    fake group, this rank's own `obj`: torch's fake broadcast leaves the object's size unset on
+    the other ranks, which then try to allocate whatever the memory held."""
+    if group_size(group) == 1 or simulated(group):
         return obj
     box = [obj]
     start = time.perf_counter()

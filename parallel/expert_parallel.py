@@ -23,6 +23,14 @@ all-to-all (swapped splits), and the regrouping is plain indexing.
 Every collective goes through parallel.comm, so its bytes are counted, always as
 `comm/ep/all_to_all` (the EP group may be the very group that also serves as DP, when ep = dp,
 whose label names ZeRO's traffic). `ep_bytes` states what one rank sends.
+
+In a simulation (one process as one rank of a larger layout, over fake process groups) the
+all-to-alls hand this rank's input back (parallel/comm.py): the counts received are the counts
+sent, recv_counts[s, j] = counts[s * E/ep + j], so local expert j receives the pairs this rank
+routed to experts j, j + E/ep, j + 2 E/ep, ... and the rows come back as sent. The rank's
+experts thus run exactly the N pairs it routed, N the average load of an EP rank under
+balanced routing, not any one rank's skewed load; `dispatch` checks that it is N, and `combine`
+returns every row to its place, so the shapes, memory and expert compute are a real rank's.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import Group, all_to_all_into, group_size
+from parallel.comm import Group, all_to_all_into, group_size, simulated
 
 LABEL = "ep"  # the counters' name for the dispatch's traffic
 
@@ -149,6 +157,11 @@ def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor,
     per_expert = [sum(col) for col in zip(*received)]
     local_ends_host = [sum(per_expert[: j + 1]) for j in range(local)]
     n_received = sum(recv_rows)
+    if n_received != x_sorted.shape[0] and simulated(group):
+        # What a simulation's expert load rests on (see above): guard it against an exchange
+        # that would hand back some other count.
+        raise RuntimeError(f"simulated EP dispatch: {n_received} rows would come back for the {x_sorted.shape[0]} "
+                           "sent; a fake all-to-all must hand every row back (parallel/comm.py)")
 
     x_received = all_to_all_rows(x_sorted, recv_rows, send_rows, group)
     order = _regroup_index(recv_counts, n_received)

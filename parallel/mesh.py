@@ -222,9 +222,10 @@ def init_mesh(layout_keys: dict[str, int], device: torch.device, backend: str = 
 def init_simulated_mesh(layout_keys: dict[str, int], world_size: int, rank: int, device: torch.device) -> Mesh:
     """This process as rank `rank` of a `world_size`-rank job, over torch's fake process groups:
     every group of the real mesh exists, with its real ranks and sizes, but its collectives move
-    no data (an all-reduce leaves its input, an all-to-all hands the input back as the output,
-    an all-gather leaves its output unwritten). Shapes, sharding and this rank's memory are the
-    real ones; values that other ranks would contribute are not. For dry runs and estimates."""
+    no data between ranks (on torch 2.13 an all-reduce leaves its input, an all-gather repeats
+    it in every slot; what parallel/comm.py makes of an all-to-all is said there). Shapes,
+    sharding and this rank's memory are the real ones; values that other ranks would contribute
+    are not. For dry runs (trainer/simulate.py) and estimates (eval/memory_estimate.py)."""
     if dist.is_initialized():
         raise RuntimeError("a simulated mesh needs a process without a process group (not under torchrun)")
     if not 0 <= rank < world_size:

@@ -2,7 +2,9 @@
 
 Every layer is built from the full (tp=1) layer, keeping this rank's shard of its weight,
 so a model initialised from a seed and then sharded holds exactly the weights a
-single-process model would: runs at different TP sizes are the same experiment.
+single-process model would: runs at different TP sizes are the same experiment. The full
+layer may be on the meta device (a model built there and given its values once sharded):
+the shard then is too, and nothing here allocates elsewhere.
 
 Each sharded weight records the dimension it is split along as `param.tp_split_dim`
 (0: output rows, 1: input columns); replicated weights have None. The optimizer reads it.
@@ -70,7 +72,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         vocab, dim = full.weight.shape
-        padded = torch.zeros(padded_vocab(vocab, group_size(group)), dim, dtype=full.weight.dtype)
+        # On the source's device: on meta (a model built there) the padding costs nothing.
+        padded = torch.zeros(padded_vocab(vocab, group_size(group)), dim, dtype=full.weight.dtype,
+                             device=full.weight.device)
         padded[:vocab] = full.weight.detach()
         self.weight = shard(padded, 0, group, logical_numel=full.weight.numel())
         self.vocab_start = group_rank(group) * self.weight.shape[0]
@@ -91,7 +95,8 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
-        padded = torch.zeros(padded_vocab(vocab_size, group_size(group)), full.weight.shape[1], dtype=full.weight.dtype)
+        padded = torch.zeros(padded_vocab(vocab_size, group_size(group)), full.weight.shape[1], dtype=full.weight.dtype,
+                             device=full.weight.device)
         padded[:vocab_size] = full.weight.detach()
         self.weight = shard(padded, 0, group, logical_numel=full.weight.numel())
         self.vocab_start = group_rank(group) * self.weight.shape[0]

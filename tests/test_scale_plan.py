@@ -1,5 +1,6 @@
 """The scale planner: its bytes and Newton-Schulz loads against the real ZeroOptimizer, its
-collective times against hand-computed cases, its activation count against autograd's."""
+collective times against hand-computed cases, its activation count against autograd's. Its
+memory at scale against the FakeTensor estimate: tests/test_memory_estimate.py."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from eval.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all_reduce_s, tree_all_reduce_s
-from eval.scale_plan import Hardware, activation_bytes_per_token, design_rows, local_params, predict, tp_sizes
+from eval.memory_plan import activation_bytes_per_token, planned_memory
+from eval.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
 from model.gpt import GPT
 from scripts.bench_comm import measure, model_config
 from tests.conftest import REPO
@@ -164,34 +166,64 @@ def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
 
 
 def test_fsdp_and_hsdp_designs_use_the_formulas_the_counted_run_checks():
-    """The planner's FSDP2 rows are fsdp_dp_bytes + the Muon exchange (bytes) and fsdp_memory
-    (memory), the formulas tests/test_fsdp_training.py meets on a counted run; HSDP shards
-    within a node and all-reduces its gradient shards across nodes."""
+    """The planner's FSDP2 rows are fsdp_dp_bytes + the Muon exchange (bytes), the formulas
+    tests/test_fsdp_training.py meets on a counted run, and planned_memory of their layout
+    (memory); HSDP shards within a node and all-reduces its gradient shards across nodes."""
     from eval.scale_plan import fsdp_dp_bytes, fsdp_memory, muon_exchange_bytes_per_rank
     from model.config import ModelConfig
+    from parallel.mesh import Layout
 
     cfg = ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_hidden=512, vocab_size=1000)
     hw = Hardware.load("h100_sxm")
     dp, tp, seq, micro = 32, 2, 256, 2
     params = local_params(cfg, tp)
-    steps = predict(cfg, hw, dp, tp, tokens_per_step=dp * seq * micro * 3, seq_len=seq, micro_batch=micro)
+    steps = predict(cfg, hw, dp, tp, tokens_per_step=dp * seq * micro * 3, seq_len=seq, micro_batch=micro,
+                    checkpointing="full", loss_chunks=2)
     gathers = fsdp_dp_bytes(params, dp, micro_batches=3, param_bytes=2)
     adamw, muon = steps["adamw-fsdp"], steps["muon-fsdp"]
     assert adamw.row.dp_bytes == gathers["all_gather"] + gathers["reduce_scatter"]
     assert muon.row.dp_bytes - adamw.row.dp_bytes == muon.row.extra_dp_bytes == muon_exchange_bytes_per_rank(params, dp)
-    memory = fsdp_memory(params, dp, "muon")
-    assert muon.memory["optimizer_state"] == memory["optimizer_state"]
-    assert muon.memory["params"] == memory["params"]
-    # three micro-batches: FSDP2 holds the unsharded fp32 gradients between them
-    assert muon.memory["grads"] == memory["grads"] + memory["gathered"] + 4 * sum(p.numel for p in params)
+    planned = planned_memory(cfg, Layout(dp_shard=dp, tp=tp), "muon", micro, seq, "full", 2)
+    assert muon.memory["optimizer_state"] == planned["optimizer_state"] == fsdp_memory(params, dp, "muon")["optimizer_state"]
+    assert muon.memory["params"] == planned["params"]
+    # three micro-batches: FSDP2 holds the unsharded fp32 gradients between them, at the peak too
+    accumulated = 4 * sum(p.numel for p in params)
+    assert muon.memory["grads"] == planned["grads"] + accumulated
+    assert muon.memory_total == planned["total"] + accumulated
     # HSDP: shards of the node's 8 / tp = 4 GPUs, 8 replicas; the all-reduce of the shards' gradients
     hsdp = steps["muon-hsdp"]
     node = fsdp_dp_bytes(params, 4, micro_batches=3, param_bytes=2)
     shard_grads = fsdp_memory(params, 4, "muon")["grads"]
     assert hsdp.row.dp_bytes == (node["all_gather"] + node["reduce_scatter"] + 2 * shard_grads
                                  + muon_exchange_bytes_per_rank(params, 4))
+    assert hsdp.memory_total == planned_memory(cfg, Layout(dp_replicate=8, dp_shard=4, tp=tp), "muon", micro, seq,
+                                               "full", 2)["total"] + accumulated
     # FSDP2's own collectives overlap compute: only what compute cannot hide is on the clock
     assert set(adamw.times) >= {"compute", "dp_not_overlapped"} and adamw.optimizer_s < muon.optimizer_s
+
+
+def test_checkpointing_and_loss_chunks_lower_the_planned_peak_by_what_they_drop():
+    """gpt_1b on 8 GPUs (FSDP2): full checkpointing keeps one residual-sized input per block
+    instead of each block's activations, and N loss chunks divide the loss's vocabulary-sized
+    tensors by N; neither changes parameters, gradients or state."""
+    from eval.memory_plan import activation_memory, head_bytes_per_token, preset_config, Dtypes
+    from parallel.mesh import Layout
+
+    cfg = preset_config("gpt_1b")
+    layout, tokens, bf16 = Layout(dp_shard=8), 4096, Dtypes(2, 2)
+    plans = {(mode, n): planned_memory(cfg, layout, "muon", 1, tokens, mode, n)
+             for mode in ("none", "full", "selective") for n in (1, 8)}
+    full = activation_memory(cfg, 1, tokens, "full", dt=bf16)
+    # each block's bf16 input (2h), and the head: its norm (4h + 4), bf16 input (2h), fp32 log-softmax (4V), ids (16)
+    h, V = cfg.d_model, cfg.vocab_size
+    assert full["kept"] == tokens * (cfg.n_layers * 2 * h + (4 * h + 4) + 2 * h + 4 * V + 16)
+    assert head_bytes_per_token(cfg, 1, 1, bf16)[0] == (4 * h + 4) + 2 * h + 4 * V + 16
+    for (mode, n), plan in plans.items():
+        assert {k: plan[k] for k in ("params", "grads", "optimizer_state")} == \
+            {k: plans["none", 1][k] for k in ("params", "grads", "optimizer_state")}
+    assert plans["none", 1]["total"] > plans["selective", 1]["total"] > plans["full", 1]["total"]
+    # the whole loss's [tokens, V] fp32 gradients (8V a token) shrink eightfold with 8 chunks
+    assert plans["full", 1]["total"] - plans["full", 8]["total"] > 0.8 * (7 / 8) * 8 * cfg.vocab_size * tokens
 
 
 @pytest.mark.parametrize("optim", ["muon", "adamw"])

@@ -34,6 +34,18 @@ BAD_INPUTS = [
     (["parallel.tp=3"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x parallel.tp=3 does not multiply "
                         "out to a single process (started without torchrun): start 3 processes (torchrun "
                         "--nproc_per_node=3 train.py ...)"),
+    (["trainer.activation_checkpointing=bogus"], "error: trainer.activation_checkpointing: unknown value 'bogus' "
+                                                 "(expected one of none, full, selective)"),
+    (["model.loss_chunks=0"], "error: model.loss_chunks must be >= 1, got 0"),
+    (["parallel.simulate_world=8", "parallel.tp=3"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x "
+                                                     "parallel.tp=3 does not multiply out to the 8 ranks of "
+                                                     "parallel.simulate_world=8"),
+    (["parallel.simulate_world=8", "parallel.simulate_rank=8"], "error: parallel.simulate_rank=8 must lie in [0, "
+                                                                "parallel.simulate_world=8)"),
+    (["parallel.simulate_world=8", "checkpoint.resume=/nonexistent"], "error: checkpoint.resume=/nonexistent: a "
+                                                                      "simulation (parallel.simulate_world=8) starts "
+                                                                      "from the seed and resumes nothing; leave "
+                                                                      "checkpoint.resume at auto or none"),
     # Every job of a sweep: the second lr of this one is bad.
     (["-m", "optim.lr=1e-3,abc"], "error: optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
 ]

@@ -1,5 +1,5 @@
 """The parts a Trainer is built from, each built the same way on every rank: the data (once
-per node) and the model (from the seed alone, then sharded)."""
+per node) and the model (from the seed alone, each rank drawing only its part)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,7 +8,9 @@ import torch
 
 from data.pipeline import PreparedData, prepare_data
 from data.sources import DataConfigError
+from model.activation_checkpoint import apply_activation_checkpointing
 from model.gpt import GPT
+from model.init import InitRule, RankParts, materialize
 from model.moe import moe_layers
 from model.parallelize import parallelize_moe, parallelize_tp
 from parallel.comm import all_gather_object, barrier, world
@@ -19,15 +21,22 @@ from trainer.config import TrainConfig
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
-    """The full model from the seed alone, then this rank's TP shard of it (and, under EP, its
-    experts).
+    """This rank's part of the model of seed `cfg.seed`: its TP shard, its experts under EP,
+    its FSDP2 rows under dp_shard, on `device`.
 
-    Initialising the full model on every rank before sharding is what makes a TP=T run hold
-    exactly the weights of a TP=1 run with the same seed.
+    Built and sharded on the meta device, then given storage on `device` and filled one
+    parameter at a time by the initialisation rule (model/init.py), which draws each logical
+    tensor whole and keeps this rank's part: every layout holds exactly the weights of the
+    single-process model of the same seed, and start-up memory does not grow with the model.
     """
-    torch.manual_seed(cfg.seed)
-    model = parallelize_tp(GPT(replace(cfg.model, vocab_size=vocab_size)), mesh.tp_group, split_experts=mesh.ep == 1)
-    model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group).to(device)
+    model_cfg = replace(cfg.model, vocab_size=vocab_size)
+    with torch.device("meta"):
+        model = GPT(model_cfg, init_seed=cfg.seed)
+    logical_shapes = {name: p.shape for name, p in model.named_parameters()}
+    model = parallelize_tp(model, mesh.tp_group, split_experts=mesh.ep == 1)
+    model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group)
+    # Checkpoint wrapping before FSDP2 (and compile, later, per block): the order that composes.
+    apply_activation_checkpointing(model, cfg.trainer.activation_checkpointing)
     if mesh.layout.dp_shard > 1:
         # FSDP2 over what TP left on this rank: bf16 compute from fp32 master weights under
         # trainer.precision=bf16, fp32 gradient reduction either way.
@@ -35,6 +44,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.dev
         experts = [layer.experts for _, layer in moe_layers(model)] if mesh.ep > 1 else []
         apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), param_dtype, cfg.parallel.reshard_after_forward,
                    experts, fsdp_mesh(mesh.expert_mesh, "expert_shard") if experts else None)
+    materialize(model, logical_shapes, InitRule.of(model_cfg, cfg.seed), device,
+                RankParts.of(mesh.tp_group, mesh.ep_group))
     return model
 
 

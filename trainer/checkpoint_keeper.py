@@ -71,10 +71,13 @@ def _size_on_disk(path: Optional[Path]) -> int:
 class CheckpointKeeper:
     """The trainer's checkpoints: saving them, and recording what each one is worth."""
 
-    def __init__(self, trainer, directory: Path) -> None:
+    def __init__(self, trainer, directory: Path, writes: bool = True) -> None:
         self.trainer = trainer
         self.directory = directory
         self.mesh = trainer.mesh
+        # False: a run that writes no checkpoint (a simulation, trainer/simulate.py): saving it
+        # is the caller's to skip, and there is no disk space to warn about.
+        self.writes = writes
         # The step of the newest checkpoint not yet known to be good: its weights are good once
         # the step after it trains finite (see `note_skips`).
         self.unconfirmed: Optional[int] = None
@@ -157,11 +160,17 @@ class CheckpointKeeper:
 
     # ---- saving ----
 
+    def saving_words(self) -> str:
+        """What stopping now involves, for the preemption message."""
+        return "saving a checkpoint" if self.writes else "no checkpoint to save (a simulation)"
+
     def save(self, evaluated: bool, final: bool) -> None:
         """Save the current step. `evaluated`: an eval on these very weights just gave finite
         losses, so the checkpoint is good now rather than after the next step. `final`:
         nothing follows (the end of the run, a preemption), so it is written at once even
         under checkpoint.async_save. The caller has checked the state is finite."""
+        if not self.writes:
+            raise RuntimeError("this run writes no checkpoint (a simulation): the trainer must not save one")
         trainer, cfg = self.trainer, self.trainer.cfg.checkpoint
         self.commit()
         background = cfg.async_save and not final
@@ -214,7 +223,7 @@ class CheckpointKeeper:
     def warn_if_next_save_will_not_fit(self) -> None:
         """One line when the free space is short of the next checkpoint (rank 0). Rotation frees
         the oldest only after the new one is in place, so it does not count."""
-        if not self.mesh.is_main:
+        if not self.mesh.is_main or not self.writes:
             return
         needed, free = self.bytes_needed(), free_bytes(self.directory)
         if free < needed:

@@ -26,7 +26,7 @@ from optim.newton_schulz import release_buffers
 from trainer.config import TrainConfig
 from trainer.preflight import read_command_line
 from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags
-from parallel.mesh import Mesh, destroy_mesh, release_compiled_graphs, release_subgroups
+from parallel.mesh import Mesh, destroy_mesh, is_simulated, release_compiled_graphs, release_subgroups
 from parallel.slurm import torch_env_from_slurm
 
 # conf/config.yaml puts this in place of the ${now:} stamp of the run and sweep dirs.
@@ -197,7 +197,9 @@ def end_job(mesh: Mesh | None, multirun: bool, tf32_before: TF32Flags) -> None:
     under this job's matmul flags)."""
     set_tf32(tf32_before)
     release_buffers()
-    if not multirun:
+    # A simulation's fake groups have no launcher's store to go stale (see release_subgroups):
+    # the next job of its sweep starts its own.
+    if not multirun or is_simulated():
         destroy_mesh()
     elif mesh is not None:
         # The next job joins the same default group (see release_subgroups); it goes at exit.

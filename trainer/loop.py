@@ -27,9 +27,10 @@ from optim.schedule import lr_at
 from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer import device as dev
 from trainer import run_env
-from trainer.config import TrainConfig, layout_keys
+from trainer import simulate
+from trainer.config import TrainConfig
 from parallel.fsdp import reshard, sync_gradients
-from parallel.mesh import Mesh, init_mesh
+from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
 from trainer.resume_checks import corpus_change, schedule_changes
 from trainer.interrupts import exit_if_interrupted_during_start_up
@@ -59,12 +60,14 @@ class NonFiniteLoss(RuntimeError):
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, mesh: Optional[Mesh] = None) -> None:
         self.run_dir = run_dir
+        # A simulation (parallel.simulate_world) resumes and saves nothing: trainer/simulate.py.
+        cfg = simulate.dry_run_config(cfg)
         dev.use_deterministic_kernels(cfg.trainer.deterministic)
         self.device = dev.resolve_device(cfg.trainer.device, dev.local_rank())
         dev.set_tf32(cfg.trainer.tf32)  # per job, like deterministic: a sweep's jobs share the process
-        self.mesh = mesh if mesh is not None else init_mesh(
-            layout_keys(cfg.parallel), self.device, cfg.parallel.backend, cfg.parallel.timeout_s
-        )
+        self.mesh = mesh if mesh is not None else simulate.init_run_mesh(cfg, self.device)
+        # Rank 0 logs and writes the run's records; in a simulation the one process does.
+        self.speaks = simulate.speaks_for_run(self.mesh)
         self.checkpoint_dir = run_dir / "checkpoints"
         resumed = checkpoint.find_resume(cfg.checkpoint.resume, self.checkpoint_dir, self.mesh,
                                          cfg.checkpoint.allow_suspect)
@@ -74,7 +77,7 @@ class Trainer:
         )
         self.cfg = cfg
         t = cfg.trainer
-        if self.mesh.is_main:
+        if self.speaks:
             log.info(precision_line)
         dev.seed_everything(cfg.seed)
 
@@ -90,11 +93,13 @@ class Trainer:
             cfg.optim, muon_ns_shapes(self.model, cfg.optim, self.model_cfg, self.mesh) if auto_ns else {},
             self.device, resumed["config"] if resumed is not None else None, self.mesh.host_group)
         self.cfg = cfg = replace(cfg, optim=optim_cfg)
-        if ns_line is not None and self.mesh.is_main:
+        if ns_line is not None and self.speaks:
             log.info(ns_line)
-        if self.sharded and t.compile:
-            # Under FSDP2, block by block: each block's gathers and reduce-scatters stay FSDP2's
-            # hooks around a compiled body, so communication still overlaps compute.
+        if t.compile and (self.sharded or t.activation_checkpointing != "none"):
+            # Block by block. Under FSDP2: each block's gathers and reduce-scatters stay FSDP2's
+            # hooks around a compiled body, so communication still overlaps compute. Under
+            # activation checkpointing: each compiled graph holds one block's checkpointed region,
+            # whose recompute the partitioner plans as the policy says (model/activation_checkpoint.py).
             for block in self.model.blocks:
                 block.compile()
             self.forward = self.model
@@ -123,21 +128,27 @@ class Trainer:
         self.skipped_steps = 0
         # Steps skipped on the device since the host last looked.
         self.skips = SkipCounter(self.device)
-        self.checkpoints = CheckpointKeeper(self, self.checkpoint_dir)
+        self.checkpoints = CheckpointKeeper(self, self.checkpoint_dir, simulate.writes_checkpoints(cfg))
         # [sum, count] of the finite train losses since the last logging step (train/loss).
         self.loss_window = torch.zeros(2, device=self.device)
-        self._learning_checked = False  # see _warn_if_not_learning
+        # See _warn_if_not_learning; a run that does not judge its losses has nothing to check.
+        self._learning_checked = not simulate.judges_losses(cfg)
+        # A simulation's own metrics and final summary (nothing for a training run).
+        self.dry_run = simulate.DryRunReport(cfg, self.mesh, self.device)
         if resumed is not None:
             checkpoint_state.restore(self, resumed)
             log.info("resumed from step %d", self.step)
             path = Path(resumed["path"])
             self.checkpoints.resumed_from(path, checkpoint_files.suspicion(path) is not None)
         self.environment: dict = {}
-        if self.mesh.is_main:
+        if self.speaks:
+            if simulate.simulating(cfg):
+                log.warning(simulate.start_line(self.mesh, self.model_cfg.n_experts))
             self.environment = run_env.environment(
                 self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
                 dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
                 dp_shard=self.mesh.layout.dp_shard, ep=self.mesh.ep,
+                simulated_rank=self.mesh.rank if simulate.simulating(cfg) else None,
             )
             self._write_resolved_config()
             run_env.save_tokenizer(run_dir, self.data.tokenizer)
@@ -175,12 +186,12 @@ class Trainer:
         the share of it they will train with, not a moment when the others were idle.
         """
         barrier(world(), "setup")
-        if self.mesh.is_main:
+        if self.speaks:
             log.info("measuring this device's %s matmul peak for perf/mfu (trainer.peak_tflops=<TFLOP/s> "
                      "skips it)", self.cfg.trainer.precision)
         start = time.perf_counter()
         peak = device_peak_flops(self.device, self.cfg.trainer.precision)
-        if self.mesh.is_main:
+        if self.speaks:
             log.info("peak measured in %.1fs", time.perf_counter() - start)
         return peak
 
@@ -195,11 +206,12 @@ class Trainer:
                 # Max attention logits are read on one fixed batch, the same on every rank.
                 self.max_logit_batch = batches[0][0].to(self.device)
             mine = batches[self.mesh.dp_rank :: self.mesh.dp]
-            self.eval_counted[name] = len(mine)
+            counted = len(mine)
             if self.sharded or self.mesh.ep > 1:
                 # Every forward is a collective under FSDP2 and EP: ranks with fewer batches
                 # repeat one, uncounted, so that all run as many forwards.
                 mine += [batches[0]] * (-(-len(batches) // self.mesh.dp) - len(mine))
+            self.eval_counted[name] = simulate.eval_counted(self.cfg, counted, len(mine))
             sets[name] = [(x.to(self.device), y.to(self.device)) for x, y in mine]
         return sets
 
@@ -340,7 +352,10 @@ class Trainer:
         return {**stats, "train/skipped_steps": float(self.skipped_steps)}
 
     def save_checkpoint(self, evaluated: bool = False, final: bool = True) -> None:
-        """Checkpoint the current step (see CheckpointKeeper.save), unless the run diverged."""
+        """Checkpoint the current step (see CheckpointKeeper.save), unless the run diverged or
+        writes no checkpoint (a simulation)."""
+        if not self.checkpoints.writes:
+            return
         self._collect_skips()
         with region("checkpoint"):
             if not checkpoint_state.state_is_finite(self):
@@ -359,7 +374,7 @@ class Trainer:
             return
         self._learning_checked = True
         chance = math.log(self.data.vocab_size)
-        if math.isfinite(loss) and loss > chance - NOT_LEARNING_MARGIN and self.mesh.is_main:
+        if math.isfinite(loss) and loss > chance - NOT_LEARNING_MARGIN and self.speaks:
             log.warning("run %s is not learning: train/loss %.4f at step %d is still ln(vocab_size) = %.4f, "
                         "a uniform guess, past optim.warmup_steps=%d (optim.lr=%g)", self.cfg.name, loss, step,
                         chance, self.cfg.optim.warmup_steps, self.cfg.optim.lr)
@@ -391,12 +406,13 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         t = cfg.trainer
         sinks = None
-        if mesh.is_main:
+        if self.speaks:
             sinks = MetricSinks(
                 self.run_dir, cfg.logger, cfg.name, {**self.resolved_config(), "environment": self.environment},
                 metric_names=["train/loss", *(f"val/{name}/loss" for name in self.eval_sets)],
+                row_fields=simulate.row_fields(cfg),
             )
-        progress = Progress(t.max_steps, self.step, cfg.logger.progress if mesh.is_main else "none",
+        progress = Progress(t.max_steps, self.step, cfg.logger.progress if self.speaks else "none",
                             cfg.logger.progress_prefix)
         last: dict[str, float] = {}
         done, metrics = self.step, {}  # the step's row is owed to the log until it is written
@@ -404,12 +420,13 @@ class Trainer:
         COMM.reset()
         preemption = PreemptionFlag(self.device)
         profiler = StepProfiler(cfg.profile, self.run_dir / "traces", mesh.rank, self.device)
+        self.dry_run.start()
         try:
             while self.step < t.max_steps:
                 done, metrics = self.step + 1, {}
                 profiler.begin(done)
                 if preemption.raised(mesh):
-                    progress.message(f"preempted: saving a checkpoint at step {self.step} and exiting")
+                    progress.message(f"preempted: {self.checkpoints.saving_words()} at step {self.step} and exiting")
                     self.save_checkpoint()
                     raise SystemExit(PREEMPTED_EXIT_CODE)
                 is_last = done == t.max_steps
@@ -435,7 +452,8 @@ class Trainer:
                 if eval_due:
                     with region("eval"):
                         eval_metrics = self.evaluate()
-                    self._check_eval_finite(done, eval_metrics)
+                    if simulate.judges_losses(cfg):
+                        self._check_eval_finite(done, eval_metrics)
                     progress.message(f"step {done}: " + ", ".join(
                         f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
                     ))
@@ -444,6 +462,7 @@ class Trainer:
                 if is_last or (interval > 0 and done % interval == 0):
                     self.save_checkpoint(evaluated=eval_due, final=is_last)
                 if metrics:
+                    metrics.update(self.dry_run.metrics(metrics))
                     if sinks is not None:
                         sinks.log(done, self.tokens, metrics)
                     last = metrics
@@ -471,4 +490,5 @@ class Trainer:
             progress.close()
             if sinks is not None:
                 sinks.close()
+        self.dry_run.finish(last)
         return last

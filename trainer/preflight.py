@@ -127,17 +127,19 @@ def sweep_jobs(overrides: list[str], sweeper_params: dict[str, str]) -> list[lis
 
 def check_config(cfg: DictConfig, world_size: int) -> TrainConfig:
     """Every check of a job's config that needs no data, model or network, in one place for the
-    preflight and for main(): the values, the layout for `world_size` ranks, the model's fit
-    with it, the data source, the optional packages it switches on, the checkpoint to resume."""
+    preflight and for main(): the values, the layout for `world_size` ranks (the launched
+    processes, or parallel.simulate_world in a simulation), the model's fit with it, the data
+    source, the optional packages it switches on, the checkpoint to resume."""
     from data.sources import check_data_config, check_data_packages
     from model.moe import check_moe_config
     from model.parallelize import check_ep, check_tp_divisibility
     from parallel.mesh import check_layout
+    from trainer.simulate import check_simulation
     from trainer.sinks import check_sink_packages
 
     typed = to_dataclass(cfg)
     validate(typed)
-    check_layout(world_size, layout_keys(typed.parallel))
+    check_layout(check_simulation(typed, world_size), layout_keys(typed.parallel))
     check_moe_config(typed.model)
     check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
     check_ep(typed.model, typed.parallel.ep)

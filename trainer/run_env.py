@@ -82,10 +82,13 @@ def device_name(device: torch.device) -> str:
 
 
 def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
-                corpus: dict[str, Any], dp_shard: int = 1, ep: int = 1) -> dict[str, Any]:
+                corpus: dict[str, Any], dp_shard: int = 1, ep: int = 1,
+                simulated_rank: Optional[int] = None) -> dict[str, Any]:
+    """`simulated_rank`: this process ran alone as that rank of the `world_size`-rank layout
+    (parallel.simulate_world, trainer/simulate.py), None for a training run."""
     import torch
 
-    return {
+    record = {
         "git": git_state(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -103,6 +106,10 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
         "corpus": corpus,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if simulated_rank is not None:
+        # Its losses mean nothing: one process over fake process groups, no data exchanged.
+        record["simulation"] = {"simulate_world": world_size, "simulate_rank": simulated_rank, "processes": 1}
+    return record
 
 
 def read_environment(run_dir: Path) -> Optional[dict[str, Any]]:
@@ -137,7 +144,9 @@ def summary_line(env: dict[str, Any]) -> str:
     return (f"commit {commit}; Python {env.get('python')}, torch {env.get('torch')}{cuda}; "
             f"{env.get('device')} x {env.get('world_size')} (dp {layout.get('dp')}, tp {layout.get('tp')}"
             + (f", FSDP2 over {layout['dp_shard']}" if layout.get("dp_shard", 1) > 1 else "")
-            + (f", experts over ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")")
+            + (f", experts over ep {layout['ep']}" if layout.get("ep", 1) > 1 else "") + ")"
+            + (f"; SIMULATED: rank {env['simulation']['simulate_rank']} alone, losses meaningless"
+               if env.get("simulation") else ""))
 
 
 def save_tokenizer(run_dir: Path, tokenizer) -> Path:

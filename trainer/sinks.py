@@ -9,7 +9,7 @@ import logging
 import os
 import shlex
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
 from data.sources import DataConfigError, require_package
 from trainer.config import LoggerConfig, WandbConfig
@@ -108,10 +108,13 @@ def start_wandb(run_dir: Path, cfg: WandbConfig, name: str, config: dict[str, An
 
 class MetricSinks:
     """`config` (the resolved config, corpus id and environment) goes to wandb's config and
-    TensorBoard's hparams, where `metric_names` are the metrics its table shows."""
+    TensorBoard's hparams, where `metric_names` are the metrics its table shows. `row_fields`
+    go into every row of every sink beside the metrics: what each row must say about the run
+    itself, such as {"simulated": 1} for a simulation whose losses mean nothing."""
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any],
-                 metric_names: Iterable[str] = ()) -> None:
+                 metric_names: Iterable[str] = (), row_fields: Optional[dict[str, float]] = None) -> None:
+        self.row_fields = dict(row_fields or {})
         run_dir.mkdir(parents=True, exist_ok=True)
         self.wandb_run = None
         if cfg.wandb.mode != "disabled":
@@ -140,6 +143,7 @@ class MetricSinks:
             self.tb.file_writer.add_summary(session_start)
 
     def log(self, step: int, tokens: int, metrics: dict[str, float]) -> None:
+        metrics = {**self.row_fields, **metrics}
         record = {"step": step, "tokens": tokens, **metrics}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()

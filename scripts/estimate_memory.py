@@ -1,0 +1,96 @@
+"""One rank's memory in a training step of any layout, measured on this machine's CPU without
+allocating it (eval/memory_estimate.py: the real model and optimizer under FakeTensorMode),
+next to what the planner predicts for it (eval/memory_plan.planned_memory).
+
+    python scripts/estimate_memory.py --model gpt_8b --dp-shard 8 --tp 8
+    python scripts/estimate_memory.py --model moe_16b --dp-shard 8 --ep 8 --seq-len 4096 --json
+    python scripts/estimate_memory.py --model gpt_1b --dp-shard 8 --activation-checkpointing full --loss-chunks 8
+
+The layout's world size is dp_replicate x dp_shard x tp (EP is carved out of the data-parallel
+ranks); --rank picks the rank measured. One estimate per process: process groups are global.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eval.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_memory, train_config  # noqa: E402
+from eval.memory_plan import planned_memory, preset_config  # noqa: E402
+from model.config import CHECKPOINTING_MODES  # noqa: E402
+from parallel.mesh import Layout  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+
+GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt_8b", help="a conf/model preset")
+    parser.add_argument("--vocab-size", type=int, default=0, help="default: the preset's documented vocabulary")
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--dp-shard", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--optim", choices=OPTIMIZERS, default="muon")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    parser.add_argument("--activation-checkpointing", choices=CHECKPOINTING_MODES, default="none")
+    parser.add_argument("--loss-chunks", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the estimate and the plan as JSON")
+    return parser.parse_args(argv)
+
+
+def spec_of(args: argparse.Namespace) -> EstimateSpec:
+    return EstimateSpec(model=args.model, vocab_size=args.vocab_size, dp_replicate=args.dp_replicate,
+                        dp_shard=args.dp_shard, tp=args.tp, ep=args.ep, rank=args.rank, batch_size=args.batch_size,
+                        seq_len=args.seq_len, optim=args.optim, precision=args.precision,
+                        activation_checkpointing=args.activation_checkpointing, loss_chunks=args.loss_chunks)
+
+
+def plan_of(spec: EstimateSpec) -> dict[str, float]:
+    return planned_memory(preset_config(spec.model, spec.vocab_size),
+                          Layout(spec.dp_replicate, spec.dp_shard, spec.tp, spec.ep), spec.optim, spec.batch_size,
+                          spec.seq_len, spec.activation_checkpointing, spec.loss_chunks, spec.precision)
+
+
+def table(estimate: dict, plan: dict[str, float]) -> list[str]:
+    lines = ["| part | estimate GB | plan GB | plan vs estimate |", "| --- | ---: | ---: | ---: |"]
+    for name in ("params", "grads", "optimizer_state", "activations", "gathered", "peak"):
+        measured, planned = estimate[name], plan["total" if name == "peak" else name]
+        diff = f"{100 * (planned / measured - 1):+.1f}%" if measured else "-"
+        lines.append(f"| {name} | {measured / GB:.3f} | {planned / GB:.3f} | {diff} |")
+    for phase, parts in estimate["phase_peaks"].items():
+        shown = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items() if k != "Total" and v >= GB / 1000)
+        lines.append(f"peak of the {phase.replace('_', ' and ')}: {parts['Total'] / GB:.3f} GB ({shown})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    spec = spec_of(args)
+    try:
+        train_config(spec)  # every bad value, in one line, before anything is built
+        plan = plan_of(spec)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"error: {err}")
+    estimate = estimate_memory(spec).to_dict()
+    if args.json:
+        print(json.dumps({"estimate": estimate, "plan": plan}, indent=1))
+        return
+    layout = (f"dp_replicate {spec.dp_replicate} x dp_shard {spec.dp_shard} x tp {spec.tp}"
+              + (f", ep {spec.ep}" if spec.ep > 1 else ""))
+    print(f"{spec.model}, rank {spec.rank} of {layout}; {spec.batch_size} x {spec.seq_len} tokens, {spec.optim}, "
+          f"{spec.precision}, checkpointing {spec.activation_checkpointing}, loss chunks {spec.loss_chunks} "
+          f"(estimated in {estimate['seconds']:.1f} s)")
+    print("\n".join(table(estimate, plan)))
+
+
+if __name__ == "__main__":
+    main()
