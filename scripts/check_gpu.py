@@ -21,6 +21,10 @@ The steps, in this order, each in its own process with its own time limit:
   moe_1b          bench_train.py, moe_1b with Muon, batch 8 x 2048 (fewer rounds than bench-gpu)
   ep-dispatch     bench_ep_dispatch.py at moe_1b, 8 x 2048, bf16: expert parallelism's code path
                   on a group of one rank against off (the dispatch's own cost, its host sync included)
+  dry-runs        dry_run_layouts.py: rank 0 of gpt_8b (dp_shard 8, full checkpointing), moe_16b
+                  (ep 8 x dp_shard 8) and gpt_1b (dp_shard 8; none, full, selective) run for real
+                  over fake process groups, their peak memory beside the planner and the
+                  FakeTensor estimate, and each rank's compute time per step
 
 The whole check has one time budget (--budget seconds). Every step runs whether or not an
 earlier one failed; its time limit is its own or what is left of the budget, whichever is less,
@@ -138,7 +142,8 @@ def find_plain(explicit: Optional[str]) -> tuple[Optional[Path], list[str]]:
     return next((Path(c).resolve() for c in looked if Path(c).is_file()), None), looked
 
 
-def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int) -> list[Step]:
+def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int,
+         out: Path = Path("check-gpu")) -> list[Step]:
     script = lambda name: str(REPO / "scripts" / name)  # noqa: E731
     gpt_124m = [py, script("bench_train.py"), "--models", "gpt_124m", "--modes", "compiled",
                 "--precisions", "bf16", "--optims", "adamw", "muon", "--batch-size", "16", "--seq-len", "1024"]
@@ -172,6 +177,11 @@ def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int) 
         Step("ep-dispatch", "bench_ep_dispatch moe_1b, batch 8 x 2048, bf16, EP path on against off",
              [py, script("bench_ep_dispatch.py"), "--model", "moe_1b", "--batch", "8", "--seq-len", "2048",
               "--warmup", "2", "--repeats", "5"], 120, 40),
+        # One rank of each large layout over fake process groups, beside the planner and the
+        # FakeTensor estimate (scripts/dry_run_layouts.py): does it fit, and its compute per step.
+        Step("dry-runs", "one-rank dry runs: gpt_8b dp_shard 8 full; moe_16b ep 8 x dp_shard 8; gpt_1b dp_shard 8 "
+             "none / full / selective", [py, script("dry_run_layouts.py"), "--out", str(out / "dry-runs"), "--timeout", "100"],
+             420, 120),
     ]
     return steps
 
@@ -375,6 +385,8 @@ def render(check: Check) -> str:
     for name in ("gpt_124m", "gpt_124m_0.5M", "moe_1b"):
         if name in by_name:
             out += section_tables(f"bench_train.py: {by_name[name].step.what}", by_name[name], keep="| model |")
+    if "dry-runs" in by_name:
+        out += section_tables(f"Dry runs: {by_name['dry-runs'].step.what}", by_name["dry-runs"])
     if "ep-dispatch" in by_name:
         out += section_tables(f"bench_ep_dispatch.py: {by_name['ep-dispatch'].step.what}", by_name["ep-dispatch"])
     return "\n".join(out)
@@ -412,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     plain, looked = find_plain(args.plain)
     workers = args.xdist if importlib.util.find_spec("xdist") is not None else 0
-    steps = plan(args.python, plain, looked, workers)
+    steps = plan(args.python, plain, looked, workers, Path(args.out).resolve())
     if args.only:
         unknown = set(args.only) - {s.name for s in steps}
         if unknown:

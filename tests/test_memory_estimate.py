@@ -2,8 +2,8 @@
 the real model and optimizer of one rank of gpt_1b, gpt_8b and moe_16b layouts, measured without
 memory, against the planner's formulas; and the estimate itself against a real gpt_tiny's tensors.
 
-The estimates run in two subprocesses (fake process groups are global state, and the machine
-has two cores), started before the first test so that they run beside the two-rank gloo check."""
+Every estimate of the module runs in one subprocess (fake process groups are global state),
+started before the first test so that it runs beside the two-rank gloo check."""
 from __future__ import annotations
 
 import json
@@ -44,27 +44,24 @@ print(json.dumps([estimate_memory(EstimateSpec(**spec)).to_dict() for spec in js
 
 @pytest.fixture(scope="module", autouse=True)
 def estimates():
-    """Every row's estimate, in the order of SCALE_ROWS + FORMULA_ROWS + REAL_ROWS. The rows are
-    dealt to two processes alternately, which balances the large models between them."""
+    """Every row's estimate, in the order of SCALE_ROWS + FORMULA_ROWS + REAL_ROWS, from one
+    subprocess started before the module's first test."""
     rows = SCALE_ROWS + FORMULA_ROWS + REAL_ROWS
-    halves = [list(range(len(rows)))[start::2] for start in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, "-c", PROGRAM, json.dumps([rows[i] for i in half])], cwd=REPO,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for half in halves]
-    box: dict[int, dict] = {}
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, json.dumps(rows)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    box: list[list[dict]] = []
 
     def result() -> list[dict]:
         if not box:
-            for proc, half in zip(procs, halves):
-                out, err = proc.communicate(timeout=600)
-                assert proc.returncode == 0, err[-4000:]
-                box.update(zip(half, json.loads(out.strip().splitlines()[-1])))
-        return [box[i] for i in range(len(rows))]
+            out, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-4000:]
+            box.append(json.loads(out.strip().splitlines()[-1]))
+        return box[0]
 
     yield result
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 def _real_step_worker(rank: int, world: int, spec: dict) -> list[dict[str, int]]:

@@ -19,7 +19,7 @@ from parallel.mesh import destroy_mesh
 from tests.conftest import REPO, compose
 from trainer.config import ConfigError, to_dataclass
 from trainer.preflight import preflight
-from trainer.simulate import MemoryPeak, memory_report
+from trainer.simulate import MemoryPeak, memory_report, planned_memory_of
 
 TINY = [
     "trainer.device=cpu", "trainer.precision=fp32", "trainer.peak_tflops=1", "trainer.max_steps=2",
@@ -146,6 +146,11 @@ def test_a_simulated_rank_holds_its_real_shards_trains_its_share_and_saves_nothi
     assert ("experts per MoE layer receive exactly the (token, expert) pairs this rank routed" in start[0]) == (
         m.n_experts > 0)
     assert any(r.message.startswith(f"SIMULATION of rank {rank} of {WORLD}: ") for r in caplog.records)
+    # The planner's figure for this layout stands beside the measured peak.
+    plan = planned_memory_of(trainer.cfg, m, mesh)
+    said = [r.message for r in caplog.records if r.message.startswith("memory: planned ")]
+    assert plan["total"] > 0 and len(said) == 1
+    assert said[0].startswith(f"memory: planned {plan['total'] / (1 << 30):.3f} GiB, measured peak ")
 
 
 def test_the_fake_exchange_runs_every_routed_pair_on_the_local_experts_and_returns_it(fake_world):
@@ -190,7 +195,7 @@ def test_the_measured_peak_is_put_beside_a_plans_prediction():
     peak = MemoryPeak(allocated=int(3.3 * gib), reserved=4 * gib, device_type="cuda")
     assert peak.metrics() == {"mem/peak_allocated_bytes": float(int(3.3 * gib)), "mem/peak_reserved_bytes": 4.0 * gib}
     assert memory_report(peak, {"parameters": 1 * gib, "activations": 2 * gib}) == [
-        "memory plan: parameters 1.000 GiB", "memory plan: activations 2.000 GiB",
+        "memory plan (GiB): parameters 1.000, activations 2.000",
         "memory: planned 3.000 GiB, measured peak allocated 3.300 GiB (1.10x the plan)",
     ]
     assert memory_report(peak, None) == ["memory: measured peak allocated 3.300 GiB (no planned figure given)"]

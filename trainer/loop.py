@@ -490,5 +490,6 @@ class Trainer:
             progress.close()
             if sinks is not None:
                 sinks.close()
-        self.dry_run.finish(last)
+        if self.dry_run.active:
+            self.dry_run.finish(last, simulate.planned_memory_of(self.cfg, self.model_cfg, self.mesh))
         return last

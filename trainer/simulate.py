@@ -42,6 +42,8 @@ from typing import Mapping, Optional
 import torch
 
 from parallel.mesh import Mesh, _world_words, check_layout, init_mesh, init_simulated_mesh, is_simulated
+from eval.memory_plan import planned_memory
+from model.config import ModelConfig
 from trainer.config import ConfigError, TrainConfig, layout_keys
 
 log = logging.getLogger("simulate")
@@ -220,6 +222,15 @@ class DryRunReport:
         log.warning(summary_line(self.mesh, last["perf/simulated_step_s"], peak))
 
 
+def planned_memory_of(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict[str, float]:
+    """The planner's bytes for this run's layout (eval/memory_plan.py), to put beside the
+    measured peak. The plan is rank 0's, of one micro-batch: for another simulated rank it is
+    the same up to the uneven last FSDP2 rows and the Muon owner plan's balance."""
+    t = cfg.trainer
+    return planned_memory(model_cfg, mesh.layout, cfg.optim.name, t.batch_size, t.seq_len,
+                          t.activation_checkpointing, model_cfg.loss_chunks, t.precision)
+
+
 def summary_line(mesh: Mesh, step_s: float, peak: MemoryPeak) -> str:
     """The simulation's result in one line, at the end of the run."""
     return (f"SIMULATION of rank {mesh.rank} of {mesh.world_size}: {step_s:.4f} s of compute per step "
@@ -241,7 +252,7 @@ def memory_report(peak: MemoryPeak, planned: Optional[Mapping[str, float]]) -> l
         return [f"memory: measured peak {what} {measured / GIB:.3f} GiB (no planned figure given)"]
     parts = {k: float(v) for k, v in planned.items() if k != "total"}
     total = float(planned["total"]) if "total" in planned else sum(parts.values())
-    lines = [f"memory plan: {name} {value / GIB:.3f} GiB" for name, value in parts.items()]
+    lines = ["memory plan (GiB): " + ", ".join(f"{name} {value / GIB:.3f}" for name, value in parts.items())]
     ratio = f" ({measured / total:.2f}x the plan)" if total > 0 else ""
     lines.append(f"memory: planned {total / GIB:.3f} GiB, measured peak {what} {measured / GIB:.3f} GiB{ratio}")
     return lines
