@@ -8,10 +8,11 @@ real shape, dtype and aliasing but no storage, so an 8B model's step costs secon
 memory. It runs a training step as trainer/loop.py does (forward under autocast, backward,
 prepare_grads, the optimizer step, zero_grad) under torch's FSDP2 memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker; mem_tracker.MemTracker where FSDP2
-is not applied), which follows every storage from its allocation to its release. An optimizer
-step on zero gradients goes first, so that the measured step is a steady one: the optimizer
-state (and ZeRO-1's buffers) are there through its forward and backward, as from a run's
-second step on.
+is not applied), which follows every storage from its allocation to its release. The step
+measured is a run's first, whose optimizer step makes the optimizer state; `steady` then puts
+that state where a later step has it (through the forward and backward, and in the optimizer
+step from its start: each state tensor's making is known), which is exact where a second
+step would cost a third more.
 
 What it reports, per rank (bytes; scripts/estimate_memory.py prints them):
   params           the rank's fp32 parameters (FSDP2: its shards)
@@ -26,7 +27,8 @@ What it reports, per rank (bytes; scripts/estimate_memory.py prints them):
 and, for each phase (the forward and backward, the optimizer), the tracker's categories at
 that phase's peak, and when the forward returns.
 
-Caveats (torch 2.13, CPU build), each found by running it:
+Caveats (torch 2.13, CPU build), each found by running it (the pieces that handle them:
+eval/fake_gpu_step.py):
 - The device is the CPU. Fake CUDA tensors can be made, but autograd asks the CUDA runtime for
   their device, which a CPU-only build lacks, and torch.autocast("cuda") turns itself off. So
   the step runs CPU kernels under CPU autocast; where their memory differs from the GPU's, the
@@ -58,9 +60,10 @@ Caveats (torch 2.13, CPU build), each found by running it:
 - FSDPMemTracker's optimizer hooks need a torch.optim.Optimizer; ours is an OptimizerSet of
   several, so the tracker is told when the optimizer phase runs (`optimizer_phase`), and the
   state is read from OptimizerSet.state_bytes. Its bookkeeping of every module's peak, most
-  of its cost, is replaced by the step's peak and each phase's (`_StepTracking`). torch's
-  ModTracker fails on a forward that runs a backward of its own (the chunked loss):
-  `_NestedBackwardModTracker` lets that pass.
+  of its cost, is replaced by the step's peak and each phase's (`_StepTracking`), and its
+  module tracker watches FSDP2's units (or the root) only; torch's ModTracker fails on a
+  forward that runs a backward of its own (the chunked loss): `_StepModTracker` lets that pass.
+  Without FSDP2 a checkpointed block's recompute then counts as "Temp", not "Activation".
 - The tracker labels what FSDP2 gathers "Unsharded Param" (the parameters, views of the
   all-gather output) and "All Gather" (the output while FSDP2 keeps it, until the next
   all-gather); their sum is `gathered`. The backward's allocations are "Temp" (gradients of
@@ -78,21 +81,19 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.fsdp import FSDPModule
 
+from eval.fake_gpu_step import BalancedRouting, fake_mode, gpu_kernels, gpu_newton_schulz
 from eval.memory_plan import preset_config
-from model.moe import MoE
-from optim import newton_schulz
 from optim.builder import build_optimizer
 from model.parallelize import check_ep, check_tp_divisibility
 from parallel.mesh import check_layout, init_simulated_mesh
@@ -184,133 +185,29 @@ def train_config(spec: EstimateSpec) -> TrainConfig:
     return cfg
 
 
-# ---- FakeTensorMode that module.to / to_empty can work under ----
-
-
-class _FreshOutputConverter(FakeTensorConverter):
-    """Does not memoise the fake tensors it wraps around ops' fresh meta outputs: the memo's
-    weak reference is what makes torch.utils.swap_tensors (nn.Module.to, to_empty) refuse a
-    fake parameter. Those outputs are new tensors that no later conversion looks up; real
-    tensors brought into the mode are still memoised."""
-
-    def set_tensor_memo(self, t: torch.Tensor, v: torch.Tensor) -> None:
-        if t.device.type != "meta":
-            super().set_tensor_memo(t, v)
-
-
-def fake_mode() -> FakeTensorMode:
-    mode = FakeTensorMode()
-    old = mode.fake_tensor_converter
-    mode.fake_tensor_converter = _FreshOutputConverter(copy_data=old.meta_converter.copy_data, export=old.export)
-    return mode
-
-
-# ---- What the GPU's kernels keep, where the CPU's differ ----
-
-
-class FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm keeping for its backward what CUDA's fused kernel keeps (the input and 1/rms),
-    where the CPU's decomposition also keeps the normalised product."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, rstd, weight)
-        y = x * rstd
-        return y * weight if weight is not None else y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, rstd, weight = ctx.saved_tensors
-        normed = x * rstd
-        g = grad * weight if weight is not None else grad
-        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-        grad_w = (grad * normed).flatten(0, -2).sum(0) if weight is not None and ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
-
-
-def fused_rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor] = None,
-                   eps: Optional[float] = None) -> torch.Tensor:
-    """F.rms_norm with CUDA's memory behaviour (FusedRMSNorm) over a trailing dimension."""
-    if len(normalized_shape) != 1:
-        return _CPU_RMS_NORM(x, normalized_shape, weight, eps)
-    return FusedRMSNorm.apply(x, weight, torch.finfo(x.dtype).eps if eps is None else eps)
-
-
-_CPU_RMS_NORM = F.rms_norm
-
-
-@contextlib.contextmanager
-def gpu_kernels() -> Iterator[None]:
-    """F.rms_norm as CUDA runs it, for the model's RMSNorm (model/gpt.py calls F.rms_norm). The
-    function itself is swapped, not intercepted by a TorchFunctionMode: the recompute of a
-    checkpointed block runs in the backward, outside any such mode, and must run the same ops
-    as the forward did."""
-    F.rms_norm = fused_rms_norm
-    try:
-        yield
-    finally:
-        F.rms_norm = _CPU_RMS_NORM
-
-
-@contextlib.contextmanager
-def gpu_newton_schulz() -> Iterator[None]:
-    """Newton-Schulz's scratch memory as on a GPU, by optim/newton_schulz.py's two CPU settings:
-    whole batches of matrices at once (the CPU cuts them into cache-sized runs,
-    CPU_WORKING_SET_BYTES), and scratch buffers freed when done (the CPU keeps the most recent
-    ones for the next call, _CPU_BUFFERS_KEPT)."""
-    kept = newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT
-    newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT = None, 0
-    try:
-        yield
-    finally:
-        newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT = kept
-        newton_schulz.release_buffers()
-
-
-class BalancedRouting:
-    """Answers the host reads of expert parallelism's routed-token counts (the tracker passes
-    them here), which fake tensors cannot, with balanced counts: `per_expert` pairs for every
-    expert, set before each MoE layer's forward (`watch`). Any other read of a value to the host
-    is an error."""
-
-    def __init__(self) -> None:
-        self.per_expert: Optional[int] = None
-
-    def watch(self, model: nn.Module, tp_rank: int, tp: int) -> None:
-        for layer in model.modules():
-            if isinstance(layer, MoE):
-                layer.register_forward_pre_hook(self._pre_hook(layer, tp_rank, tp))
-
-    def _pre_hook(self, layer: MoE, tp_rank: int, tp: int):
-        def hook(module: nn.Module, args: tuple) -> None:
-            pairs = args[0].shape[0] * args[0].shape[1] * layer.top_k
-            # Under TP each rank sends its contiguous part of the sorted pairs (MoE._experts_over_ep).
-            per_rank = -(-pairs // tp)
-            lo = min(pairs, tp_rank * per_rank)
-            part = min(pairs, lo + per_rank) - lo
-            if part % layer.n_experts:
-                raise ValueError(f"an EP estimate routes {part} (token, expert) pairs per rank evenly over "
-                                 f"model.n_experts={layer.n_experts}: choose a batch_size x seq_len that makes them divide")
-            self.per_expert = part // layer.n_experts
-        return hook
-
-    def host_value(self) -> int:
-        if self.per_expert is None:
-            raise RuntimeError("the step read a tensor's value to the host outside expert parallelism's "
-                               "dispatch: a fake tensor has none")
-        return self.per_expert
-
-
 # ---- The tracker, told of our optimizer ----
 
 
-class _NestedBackwardModTracker(ModTracker):
-    """torch's ModTracker (which module runs, forward or backward), for a forward that runs a
-    backward of its own: the chunked loss (model/chunked_loss.py) takes each slice's gradients
-    with torch.autograd.grad. That backward's end resets the tracker's stack of running modules,
-    and the modules still running then leave names the stack no longer holds: those are let go,
-    where the tracker would fail the run."""
+class _StepModTracker(ModTracker):
+    """torch's ModTracker (which module runs, forward or backward), for the modules the tracker
+    asks about only (`watched`: FSDP2's units, or the root without FSDP2): its hooks on every
+    module call cost a tenth of an estimate, and whether the backward runs it reads from
+    autograd itself. And for a forward that runs a backward of its own: the chunked loss
+    (model/chunked_loss.py) takes each slice's gradients with torch.autograd.grad, whose end
+    resets the tracker's stack of running modules; the modules still running then leave names
+    the stack no longer holds, which are let go where the tracker would fail the run."""
+
+    def __init__(self, watched: Callable[[nn.Module], bool]) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def _fw_pre_hook(self, mod, input):
+        if self.watched(mod):
+            super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output):
+        if self.watched(mod):
+            super()._fw_post_hook(mod, input, output)
 
     def _get_pop_fn(self, w_mod, name, is_bw):
         pop = super()._get_pop_fn(w_mod, name, is_bw)
@@ -327,17 +224,25 @@ class _StepTracking:
     keeps the categories at each module's peak only), an optimizer phase for an OptimizerSet,
     and the answers fake tensors cannot give (BalancedRouting)."""
 
-    def _init_step_tracking(self, routing: BalancedRouting) -> None:
-        self._mod_tracker = _NestedBackwardModTracker()
+    def _init_step_tracking(self, routing: BalancedRouting, watched: Callable[[nn.Module], bool]) -> None:
+        self._mod_tracker = _StepModTracker(watched)
         self.routing = routing
-        self.reset_maxima()
-
-    def reset_maxima(self) -> None:
         # The tracker's own category keys (enum members) that make each part.
         self._part_keys = {name: [k for k in self._ref_class if k.value in labels]
                            for name, labels in PART_CATEGORIES.items()}
         self.maxima: dict[str, int] = {}
         self.phase_peaks: dict[str, dict[str, int]] = {}
+        self._ops = 0  # ops dispatched so far: when each storage was made
+        self._optimizer_trace: list[tuple[int, dict]] = []  # (op, live bytes by category) in the optimizer
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        super()._track(reftype, t)
+        if not self._in_opt:
+            return  # the optimizer state is made in the optimizer phase: what `steady` needs
+        for st in get_untyped_storages(t):
+            winfo = self._WINFO.get(st, (None, None))[0]
+            if winfo is not None and not hasattr(winfo, "made_at"):
+                winfo.made_at = self._ops
 
     def current(self) -> dict[str, int]:
         """This device's bytes by tracker category, "Total" included."""
@@ -348,6 +253,7 @@ class _StepTracking:
         """After every op. Replaces the tracker's own bookkeeping of each module's peak, which
         walks every tracked module per op and is most of the tracker's cost; the estimate needs
         only the step's peak and each part's maximum. Reads the live counts in place."""
+        self._ops += 1
         now = self._curr_mem_snap.get(CPU)
         if not now:
             return
@@ -355,9 +261,46 @@ class _StepTracking:
             value = sum(now.get(k, 0) for k in keys)
             if value > self.maxima.get(name, 0):
                 self.maxima[name] = value
-        phase = "optimizer" if self._in_opt else "forward_backward"
-        if now["Total"] > self.phase_peaks.get(phase, {}).get("Total", 0):
-            self.phase_peaks[phase] = {_label(k): v for k, v in now.items() if v}
+        if self._in_opt:
+            self._optimizer_trace.append((self._ops, dict(now)))
+        elif now["Total"] > self.phase_peaks.get("forward_backward", {}).get("Total", 0):
+            self.phase_peaks["forward_backward"] = {_label(k): v for k, v in now.items() if v}
+
+    @property
+    def opt_label(self) -> str:
+        """The optimizer state's category ("OptState" under FSDP2, else "Optstate")."""
+        return next(k for k in (_label(c) for c in self._ref_class) if k.lower() == "optstate")
+
+    def steady(self, state: Iterable[torch.Tensor]) -> int:
+        """Turn the first step's peaks into a steady step's, given the optimizer `state` that
+        step made; returns its bytes. A steady step holds all of it through the forward and
+        backward, and through its optimizer step from the start, where the first step made it
+        on the way (each state storage's making is known: `_track`)."""
+        made = {}
+        for t in state:
+            for st in get_untyped_storages(t):
+                winfo = self._WINFO.get(st, (None, None))[0]
+                if winfo is not None:
+                    made[id(winfo)] = (getattr(winfo, "made_at", 0), winfo.mem_consumed)
+        total = sum(size for _, size in made.values())
+        fb, opt_label = self.phase_peaks["forward_backward"], self.opt_label
+        fb[opt_label] = fb.get(opt_label, 0) + total
+        fb["Total"] += total
+        times, so_far, best = sorted(made.values()), 0, None
+        i = 0
+        for op, now in self._optimizer_trace:
+            while i < len(times) and times[i][0] <= op:
+                so_far += times[i][1]
+                i += 1
+            missing = total - so_far
+            if best is None or now["Total"] + missing > best[0]:
+                best = (now["Total"] + missing, now, missing)
+        if best is not None:
+            peak = {_label(k): v for k, v in best[1].items() if v}
+            peak[opt_label] = peak.get(opt_label, 0) + best[2]
+            peak["Total"] = best[0]
+            self.phase_peaks["optimizer"] = peak
+        return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Asking a tensor its device allocates nothing: past the tracker's bookkeeping (a third
@@ -381,21 +324,17 @@ class _StepTracking:
 class StepFSDPTracker(_StepTracking, FSDPMemTracker):
     def __init__(self, model: nn.Module, routing: BalancedRouting) -> None:
         super().__init__(model)
-        self._init_step_tracking(routing)
+        self._init_step_tracking(routing, lambda module: isinstance(module, FSDPModule))
 
 
 class StepTracker(_StepTracking, MemTracker):
-    def __init__(self, routing: BalancedRouting) -> None:
-        super().__init__()
-        self._init_step_tracking(routing)
+    """MemTracker for a model without FSDP2: its hooks on the root alone track every parameter
+    and gradient (the root's parameters are all of them)."""
 
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # A module called again within one forward (the chunked loss calls the head once per
-        # slice) has its parameters tracked already; the tracker would refuse the second call
-        # as a second iteration.
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            return
-        super()._pre_fw_hook(module, inputs)
+    def __init__(self, model: nn.Module, routing: BalancedRouting) -> None:
+        super().__init__()
+        self._init_step_tracking(routing, lambda module: module is model)
+        self.track_external(model)
 
     def _register_global_optimizer_hook(self) -> None:
         """None: torch's optimizer hooks would end the optimizer phase after the first of the
@@ -435,24 +374,12 @@ def _measure(cfg: TrainConfig, spec: EstimateSpec, mesh, start: float) -> Memory
     routing.watch(model, mesh.tp_rank, mesh.tp)
     sharded = isinstance(model, FSDPModule)
     tracker: StepFSDPTracker | StepTracker
-    if sharded:
-        tracker = StepFSDPTracker(model, routing)
-    else:
-        tracker = StepTracker(routing)
-        tracker.track_external(model)
+    tracker = StepFSDPTracker(model, routing) if sharded else StepTracker(model, routing)
     tokens = torch.randint(0, vocab, (spec.batch_size, spec.seq_len))
     targets = torch.randint(0, vocab, (spec.batch_size, spec.seq_len))
     with tracker:
         with tracker.optimizer_phase():
             optimizer = build_optimizer(model, cfg.optim, cfg.model, mesh)
-            # A step on zero gradients: the optimizer state exists from here on, as in a run.
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-            optimizer.prepare_grads(cfg.optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad()
-        tracker.reset_maxima()
         with gpu_kernels():  # the backward too: a checkpointed block reruns its forward there
             with dev.autocast(CPU, cfg.trainer.precision):
                 loss = model(tokens, targets)
@@ -463,9 +390,11 @@ def _measure(cfg: TrainConfig, spec: EstimateSpec, mesh, start: float) -> Memory
         with tracker.optimizer_phase():
             optimizer.prepare_grads(cfg.optim.grad_clip)
             optimizer.step()
-        after_step = tracker.current()
-        optimizer.zero_grad()
+            after_step = tracker.current()
+            optimizer.zero_grad()  # in the phase: torch's zero_grad dispatches profiler ops
+        tracker.steady(optimizer.state_tensors())
     state = optimizer.state_bytes()
+    after_forward[tracker.opt_label] = after_forward.get(tracker.opt_label, 0) + state
     grads = sum(after_backward.get(c, 0) for c in ("Sharded Grad", "Unsharded Grad", "Gradient"))
     at_peak = tracker.phase_peaks["forward_backward"]
     # Under ZeRO-1 the optimizer also holds flat gradient buffers beside its state.

@@ -248,15 +248,15 @@ def head_bytes_per_token(cfg: ModelConfig, tp: int, loss_chunks: int = 1, dt: Dt
     parallel loss's fp32 shifted logits and their exponentials, 8V / tp, and its per-token
     masks and indices, 14), the token ids and targets (16); its backward then holds two fp32
     [tokens, V / tp] gradients (8V / tp). Chunked (model/chunked_loss.py): the norm, the hidden
-    state and its gradient (2rh), the ids; one slice's logits, log-softmax and their gradients
-    at a time: (loss + 8V / tp) / N."""
+    state's gradient (rh), the ids; one slice's logits, log-softmax and their gradients at a
+    time: (loss + 8V / tp) / N."""
     h, V = cfg.d_model, padded_vocab(cfg.vocab_size, tp)
     norm = (4 if fused_norm else 8) * h + 4
     loss = 4 * V if tp == 1 else 8 * V / tp + 14
     backward = 8 * V / tp
     if loss_chunks == 1:
         return norm + dt.compute * h + loss + 16, backward
-    return norm + 2 * dt.residual * h + 16 + (14 if tp > 1 else 0), (loss + backward) / loss_chunks
+    return norm + dt.residual * h + 16 + (14 if tp > 1 else 0), (loss + backward) / loss_chunks
 
 
 def activation_bytes_per_token(cfg: ModelConfig, tp: int, fused_norm: bool = True, dt: Dtypes = Dtypes(),

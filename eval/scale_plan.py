@@ -3,8 +3,10 @@
 Exact from shapes alone: the bytes every collective moves and the Newton-Schulz FLOPs each
 rank runs (our design's LPT plan is the real one, optim/zero_plan.py). Predicted from a
 hardware profile (conf/hardware/*.yaml): times, by the alpha-beta model of eval/collectives.py,
-a matmul rate and an HBM bandwidth. scripts/bench_comm.py prints the exact part at the layouts
-this machine runs; scripts/plan_scale.py prints all of it from 8 to 1,024 GPUs.
+a matmul rate and an HBM bandwidth. Each design's per-rank memory is eval/memory_plan.py's
+(planned_memory: the step's peak, under activation checkpointing and chunked loss as asked).
+scripts/bench_comm.py prints the exact part at the layouts this machine runs;
+scripts/plan_scale.py prints all of it from 8 to 1,024 GPUs.
 
 Designs, per optimizer step and per rank:
   adamw-zero1   AdamW, flat ZeRO-1: reduce-scatter grads + all-gather params.

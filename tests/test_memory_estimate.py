@@ -33,7 +33,7 @@ FORMULA_ROWS = [dict(TINY, model="gpt_tiny", tp=2, activation_checkpointing="sel
                 dict(TINY, model="gpt_tiny", vocab_size=4096, loss_chunks=4)]
 # gpt_tiny as the real two-rank run below builds it, and in one process.
 REAL = dict(model="gpt_tiny", vocab_size=128, batch_size=2, seq_len=64)
-REAL_ROWS = [dict(REAL, dp_shard=2, rank=0), dict(REAL, dp_shard=2, rank=1), dict(REAL, dp_shard=1)]
+REAL_ROWS = [dict(REAL, dp_shard=2), dict(REAL, dp_shard=1)]
 
 PROGRAM = """
 import json, sys
@@ -102,20 +102,22 @@ def _real_step_worker(rank: int, world: int, spec: dict) -> list[dict[str, int]]
 
 def test_the_estimate_counts_the_tensors_of_a_real_step(estimates):
     """The FakeTensor estimate of gpt_tiny's parameters, gradients and optimizer state equals,
-    byte for byte, what a real step holds: each rank of FSDP2 over two ranks, and one process."""
+    byte for byte, what a real step holds: rank 0 of FSDP2 over two ranks (both ranks hold the
+    same bytes, as the real run shows), and one process."""
     real = run_distributed(_real_step_worker, 2, REAL)
+    assert real[0][0] == real[1][0]
     fake = estimates()[len(SCALE_ROWS) + len(FORMULA_ROWS):]
-    for got, want in zip(fake, [real[0][0], real[1][0], real[0][1]], strict=True):
+    for got, want in zip(fake, [real[0][0], real[0][1]], strict=True):
         assert {k: got[k] for k in want} == want, got["spec"]
         assert want["params"] > 0 and want["grads"] > 0 and want["optimizer_state"] > 0
-    # the tracker sees the same state live through the forward and backward
+    # the state is there through the forward and backward of a steady step
     assert fake[0]["phase_peaks"]["forward_backward"]["OptState"] == real[0][0]["optimizer_state"]
     # FSDP2 halves the parameters (gpt_tiny's rows all divide by two)
-    assert 2 * fake[0]["params"] == fake[2]["params"]
+    assert 2 * fake[0]["params"] == fake[1]["params"]
 
 
 def test_the_activation_formula_matches_the_estimate_under_checkpointing_and_chunked_loss(estimates):
-    """What the forward keeps (activation_memory's "kept") against the tensors the estimate
+    """What the forward keeps (activation_memory's "kept") against the activations the estimate
     finds alive when the forward returns, on tiny FSDP2 models: selective (dense with TP, MoE),
     full (MoE: its routing decisions), and the loss in four chunks."""
     rows = estimates()[len(SCALE_ROWS):len(SCALE_ROWS) + len(FORMULA_ROWS)]
@@ -123,7 +125,9 @@ def test_the_activation_formula_matches_the_estimate_under_checkpointing_and_chu
         cfg = preset_config(spec["model"], spec["vocab_size"])
         kept = activation_memory(cfg, spec.get("tp", 1), spec["seq_len"], spec.get("activation_checkpointing", "none"),
                                  spec.get("loss_chunks", 1), Dtypes.of("bf16", fsdp=True))["kept"]
-        assert got["after_forward"]["Activation"] == pytest.approx(kept, rel=0.01), spec
+        # what the chunked loss keeps, it makes inside its own backward: the tracker calls that "Temp"
+        alive = got["after_forward"].get("Activation", 0) + got["after_forward"].get("Temp", 0)
+        assert alive == pytest.approx(kept, rel=0.01), spec
 
 
 def test_the_planned_memory_is_within_ten_percent_of_the_estimate_at_scale(estimates):
