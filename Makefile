@@ -53,7 +53,9 @@ bench-gpu: $(SETUP)
 # One GPU check that fits in 10 minutes on one H100/H200 (scripts/check_gpu.py): the tests of
 # test-gpu (on pytest-xdist workers where installed), bench-gpu's gpt_124m rows (also at 0.5M
 # tokens per step) beside the plain step of ../shared/bench/, the Newton-Schulz method table, the
-# Muon step, and moe_1b. Each step has its own time limit and runs whatever became of the ones
+# Muon step, moe_1b, and one-rank dry runs of gpt_8b, moe_16b and gpt_1b beside the planner and the
+# FakeTensor estimate (scripts/dry_run_layouts.py; alone: scripts/check_gpu.py --only dry-runs).
+# Each step has its own time limit and runs whatever became of the ones
 # before; $(OUT_DIR)/summary.md is rewritten after each, beside each step's full log.
 # On a GPU image with its own torch: make check-gpu PY=python3 SETUP= OUT_DIR=/path/to/out
 # (PLAIN_STEP=/path/to/plain_gpt_step.py if it is neither in shared/bench/ nor ../shared/bench/).
