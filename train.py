@@ -34,13 +34,14 @@ from data.sources import DataConfigError
 from trainer.checkpoint_files import CheckpointError
 from trainer.config import register_configs
 from trainer.device import DeviceError
-from trainer.launch import end_job, resume_command, launch_overrides, quiet_nonzero_rank_logging, start_job
+from trainer.launch import (end_job, launch_overrides, launch_rank, quiet_nonzero_rank_logging,
+                            record_launch_error, resume_command, start_job)
 from trainer.loop import NonFiniteLoss, Trainer
 from trainer.run_lock import RunLocked, claim, held, planned_run_dir
 from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
 from trainer.preflight import check_config, config_warnings, preflight
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.preemption import Preempted
 from trainer.simulate import simulating
 
 register_configs()
@@ -69,17 +70,21 @@ def print_error(message: str, per_node: bool = False) -> bool:
     """Every rank of a launch reads the same config and data, so they all fail alike: the line
     from rank 0 is the message, the same line from every rank noise. A `per_node` error (this
     node's GPUs) comes from each node's local rank 0, named by its host on a multi-node launch.
+    Every rank hands the line to torchrun, whose summary names it as the root cause.
     Returns whether this rank printed."""
     env = os.environ
+    if per_node and int(env.get("WORLD_SIZE", "1")) > int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))):
+        message = f"{socket.gethostname()}: {message}"
+    line = f"error: {message}"
     if per_node:
-        if env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) != "0":
-            return False
-        if int(env.get("WORLD_SIZE", "1")) > int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))):
-            message = f"{socket.gethostname()}: {message}"
-    elif env.get("RANK", env.get("SLURM_PROCID", "0")) != "0":
-        return False
-    print(f"error: {message}", file=sys.stderr)
-    return True
+        speaks = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0"
+    else:
+        speaks = launch_rank() == 0
+    # A silent rank fails when it exits, after the delay: the rank that prints is the first.
+    record_launch_error(line, time.time() + (0.0 if speaks else SILENT_RANK_EXIT_DELAY_S))
+    if speaks:
+        print(line, file=sys.stderr)
+    return speaks
 
 
 def exit_bad_input(err: Exception) -> None:
@@ -115,8 +120,11 @@ def main(cfg: DictConfig) -> float:
         lock.took_over = None
     tf32_before = start_job(typed, hydra_cfg)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
-    for line in config_warnings(typed):
-        log.warning(line)
+    if launch_rank() == 0:  # every rank has the same config: the others would only repeat it
+        for line in config_warnings(typed):
+            log.warning(line)
+        if Path(typed.checkpoint.resume) != Path(cfg.checkpoint.resume):  # a run dir: the checkpoint it names
+            log.info("checkpoint.resume=%s: resuming from %s", cfg.checkpoint.resume, typed.checkpoint.resume)
     # A simulation (parallel.simulate_world) leaves no checkpoint to resume from.
     resume_line = None if simulating(typed) else f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
     trainer: Trainer | None = None
@@ -141,8 +149,8 @@ def main(cfg: DictConfig) -> float:
         log.error("job %s (%s) diverged; the sweep continues: %s",
                   hydra_cfg.job.num, hydra_cfg.job.override_dirname or "defaults", err)
         return float("nan")
-    except SystemExit as stop:
-        if stop.code == PREEMPTED_EXIT_CODE and trainer is not None and trainer.speaks and resume_line is not None:
+    except Preempted:
+        if trainer is not None and trainer.speaks and resume_line is not None:
             print(resume_line, file=sys.stderr)  # a checkpoint of this very step was just saved
         raise
     except Exception:

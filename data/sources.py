@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import logging
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -20,7 +21,10 @@ from typing import Any, ClassVar, Iterable, Iterator, Optional, Protocol
 from data.config import DataConfig, EvalSourceConfig
 from data.file_checks import explain_load_failure
 from data.hashing import hash_fraction
+from data.hub import offline_mode, offline_variable, probe_hub
 from data.manifest import SPLITTERS, TOPICS_FILE, CorpusPart, Manifest, Selection, read_topics, select, stream_digest
+
+log = logging.getLogger("data")
 
 Document = tuple[str, str]
 
@@ -238,6 +242,25 @@ def data_files_base(path: Optional[str]) -> Optional[Path]:
     return Path.cwd()
 
 
+def builder_names() -> frozenset[str]:
+    """The dataset builders `datasets` ships ("text", "json", "parquet", ...): a path naming
+    one reads data_files, not a hub repository."""
+    # No public accessor lists them; this module-level table is what load_dataset consults.
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return frozenset(_PACKAGED_DATASETS_MODULES)
+
+
+def needs_hub(path: str, data_files: Optional[list[str]]) -> bool:
+    """Whether loading `path` asks the Hugging Face hub: a hub dataset id, or a builder reading
+    hf:// data files. A local file or directory, or a builder over local files, does not."""
+    if Path(path).expanduser().exists() or path.startswith(LOCAL_PREFIXES):
+        return False
+    if path in builder_names():
+        return any(pattern.startswith("hf://") for pattern in data_files or [])
+    return not is_remote(path)
+
+
 def local_data_files(path: Optional[str], data_files: Optional[list[str]]) -> dict[str, list[Path]]:
     """Each local data_files pattern mapped to the files it matches (sorted)."""
     base = data_files_base(path)
@@ -283,14 +306,48 @@ class HFSource:
         try:
             if is_saved_dataset(self.path):
                 return self._load_saved(datasets)
-            return datasets.load_dataset(
-                self.path, self.dataset_config,
-                data_files=self.data_files, split=self.split, streaming=self.streaming,
-            )
+            if needs_hub(self.path, self.data_files):
+                return self._load_from_hub(datasets)
+            return self._load(datasets)
         except DataConfigError:
             raise
         except Exception as err:  # what `datasets` raises names neither the file nor the problem
             raise self._load_error(err) from err
+
+    def _load(self, datasets: Any) -> Any:
+        return datasets.load_dataset(
+            self.path, self.dataset_config,
+            data_files=self.data_files, split=self.split, streaming=self.streaming,
+        )
+
+    def _load_from_hub(self, datasets: Any) -> Any:
+        """Through the hub only when it answers (data/hub.py): otherwise from `datasets`' cache,
+        or one line saying so, instead of a minute of retries."""
+        switch = offline_variable()
+        if switch is not None:
+            with offline_mode():  # the variable may be newer than the libraries' reading of it
+                return self._load_cached(datasets, f"{switch} is set")
+        status = probe_hub()
+        if status.reachable:
+            return self._load(datasets)
+        if self.streaming:
+            raise DataConfigError(f"{self.key}.path: cannot stream {self.path!r}: {status.describe()}; "
+                                  f"set {self.key}.streaming=false to read a copy in the local cache, or "
+                                  "point it at local files")
+        with offline_mode():
+            dataset = self._load_cached(datasets, status.describe())
+        log.warning("%s.path: %s: loaded %r from the local cache", self.key, status.describe(), self.path)
+        return dataset
+
+    def _load_cached(self, datasets: Any, why: str) -> Any:
+        try:
+            return self._load(datasets)
+        except Exception as err:  # offline, `datasets` blames the network whatever was missing
+            raise DataConfigError(
+                f"{self.key}.path: cannot load {self.path!r} ({why}; it is not in the cache "
+                f"{datasets.config.HF_DATASETS_CACHE}). Offline, point {self.key}.path at local files or a "
+                "save_to_disk directory, or fill the cache where the hub is reachable and set HF_HUB_OFFLINE=1"
+            ) from err
 
     def _load_saved(self, datasets: Any) -> Any:
         """A directory `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote, which

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import heapq
 import json
+import logging
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from data.atomic import atomic_output
 from data.hashing import digest, hash_hex
-from data.sources import DataConfigError, Document, Source
+from data.hub import hub_cache_dir, offline_variable, probe_hub
+from data.sources import LOCAL_PREFIXES, DataConfigError, Document, Source
+
+log = logging.getLogger("data")
 
 EOS_TOKEN = "<|endoftext|>"
 # Bump when training changes in a way that makes earlier tokenizers wrong to reuse.
@@ -70,20 +74,47 @@ def load_trained(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
+# What to do when a pretrained tokenizer cannot be had, for every error line that says so.
+PRETRAINED_FIX = ("point data.tokenizer at a directory that AutoTokenizer.save_pretrained wrote, or fill the "
+                  "Hugging Face cache where the hub is reachable and set HF_HUB_OFFLINE=1")
+
+
 def load_pretrained(name: str) -> PreTrainedTokenizerBase:
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        # Offline, a hub id gives a ~100-line traceback from the HTTP client down.
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataConfigError(
-            f"data.tokenizer: cannot load {name!r} ({first}). Offline, point data.tokenizer at a directory "
-            "that AutoTokenizer.save_pretrained wrote, or fill the Hugging Face cache where the hub is "
-            "reachable and set HF_HUB_OFFLINE=1"
-        ) from err
+    """A local directory, else a hub name: from the hub when it answers, from the local cache
+    alone when the user asked for offline mode or the hub does not answer (see data/hub.py)."""
+    local = Path(name).expanduser()
+    if local.exists():
+        tokenizer = _from_pretrained(name, str(local), local_files_only=True)
+    elif name.startswith(LOCAL_PREFIXES):
+        raise DataConfigError(f"data.tokenizer: cannot load {name!r} (no such directory). Offline, {PRETRAINED_FIX}")
+    elif (switch := offline_variable()) is not None:
+        tokenizer = _from_pretrained(name, name, local_files_only=True,
+                                     why=f"{switch} is set; it is not in the cache {hub_cache_dir()}")
+    else:
+        status = probe_hub()
+        if status.reachable:
+            tokenizer = _from_pretrained(name, name)
+        else:
+            tokenizer = _from_pretrained(name, name, local_files_only=True,
+                                         why=f"{status.describe()}; it is not in the cache {hub_cache_dir()}")
+            log.warning("data.tokenizer: %s: loaded %r from the local cache", status.describe(), name)
     if tokenizer.eos_token_id is None:
         raise DataConfigError(f"data.tokenizer: {name!r} has no EOS token, which separates documents")
     return tokenizer
+
+
+def _from_pretrained(name: str, source: str, local_files_only: bool = False,
+                     why: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained, failing in one line; `why` says why a cache-only load
+    failed (the library's own message blames the network either way)."""
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    except (OSError, ValueError) as err:
+        # From the hub, a failure is a ~100-line traceback from the HTTP client down.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataConfigError(
+            f"data.tokenizer: cannot load {name!r} ({why or first}). Offline, {PRETRAINED_FIX}"
+        ) from err
 
 
 def trained_tokenizer_path(cache_dir: Path, train: Source, vocab_size: int, max_bytes: int) -> Path:

@@ -18,7 +18,7 @@ class MuonConfig:
     # "polar_express": per-step coefficients (Amsel et al., 2025).
     coefficients: str = "classic"
     # Newton-Schulz compute dtype: "bf16" (as in practice on GPUs), "fp32", or "auto": bf16 where
-    # the device's bf16 matmul is really faster than fp32 (CUDA; CPUs with bf16 units), else fp32.
+    # the device has bf16 matrix hardware (CUDA compute capability 8.0+; CPUs with AMX bf16), else fp32.
     ns_dtype: str = "auto"
     # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), so Muon shares AdamW's lr and wd;
     # "spectral": lr * sqrt(max(1, A / B)); "none": lr as is.

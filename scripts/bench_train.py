@@ -61,6 +61,7 @@ from scripts.bench_common import (  # noqa: E402
     tensor_bytes,
 )
 from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
 from trainer.config import register_configs, to_dataclass, validate  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 
@@ -219,9 +220,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.grad_accums = sorted({grad_accum_for(t, args.batch_size, args.seq_len)
                                    for t in args.tokens_per_step or [args.batch_size * args.seq_len]})
     except ValueError as err:
-        raise SystemExit(f"bench_train.py: {err}") from None
+        refuse(str(err))
     if any(o.split("=", 1)[0].lstrip("+") == "trainer.grad_accum" for o in args.overrides):
-        raise SystemExit("bench_train.py: set the accumulation with --tokens-per-step, not trainer.grad_accum")
+        refuse("set the accumulation with --tokens-per-step, not trainer.grad_accum")
     return args
 
 

@@ -54,6 +54,7 @@ from eval.compare import (  # noqa: E402
 from eval.seeds import (  # noqa: E402
     Arm, Estimate, estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
+from scripts.refuse import refuse  # noqa: E402
 
 BEST_KEY = "val/val/loss"
 
@@ -652,8 +653,7 @@ def refuse_mixed(mixed: dict[str, Optional[str]], args: argparse.Namespace) -> N
     for what, line in mixed.items():
         flag = MIX_FLAGS[what]
         if line and not getattr(args, flag.lstrip("-").replace("-", "_")):
-            print(f"error: {line}; pass {flag} to compare them anyway", file=sys.stderr)
-            sys.exit(2)
+            refuse(f"{line}; pass {flag} to compare them anyway")
 
 
 def mixtures(runs: list[Run], arms: list[Arm]) -> dict[str, Optional[str]]:
@@ -732,8 +732,11 @@ def main() -> None:
                         help="compare arms that ran in different precisions (bf16 vs fp32, or unknown)")
     args = parser.parse_args()
 
-    loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
-    longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
+    try:
+        loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
+        longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
+    except FileNotFoundError as err:  # a path with no runs under it
+        refuse(str(err))
     # A run still going (or stopped early) would enter the tables as a shorter schedule.
     unfinished = [run.unfinished() for run in loaded + longer_runs if run.unfinished()]
     for reason in unfinished:
@@ -743,7 +746,7 @@ def main() -> None:
     try:
         arms, longer = group_arms(loaded), group_arms(longer_runs)
     except ValueError as err:
-        sys.exit(f"error: {err}")
+        refuse(str(err))
     swept = len(loaded) > len(args.runs)
     selected = best_per_optimizer(arms, BEST_KEY) if swept else arms
     if len(selected) < 2 and swept and not longer:
@@ -752,14 +755,14 @@ def main() -> None:
         write_sweep_only(arms, selected, loaded, unfinished, args.out, args)
         return
     if len(selected) < 2:
-        sys.exit(f"error: need two runs to compare, found {[r.label for r in selected]}")
+        refuse(f"need two runs to compare, found {[r.label for r in selected]}")
     a, b, rest = pick_pair(selected)
     selected = [a, b, *rest]
     for arm in longer:
         if arm.optimizer != b.optimizer:
-            sys.exit(f"error: --longer run {arm.path} is {arm.optimizer}, not B's optimizer {b.optimizer}")
+            refuse(f"--longer run {arm.path} is {arm.optimizer}, not B's optimizer {b.optimizer}")
     if longer and a.final_step(BEST_KEY) is None:
-        sys.exit(f"error: run {a.path} logged no {BEST_KEY}, which the schedule ratio needs")
+        refuse(f"run {a.path} logged no {BEST_KEY}, which the schedule ratio needs")
     mixed = mixtures(loaded + longer_runs, arms + longer)
     refuse_mixed(mixed, args)
 

@@ -23,6 +23,7 @@ from eval.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_
 from eval.memory_plan import planned_memory, preset_config  # noqa: E402
 from model.config import CHECKPOINTING_MODES  # noqa: E402
 from parallel.mesh import Layout  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 
 GB = 1e9
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         train_config(spec)  # every bad value, in one line, before anything is built
         plan = plan_of(spec)
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"error: {err}")
+        refuse(str(err))
     estimate = estimate_memory(spec).to_dict()
     if args.json:
         print(json.dumps({"estimate": estimate, "plan": plan}, indent=1))

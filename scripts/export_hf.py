@@ -11,13 +11,16 @@ ZeRO-sharded runs export the same way.
 
 The result loads with no custom code:
     AutoModelForCausalLM.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT)
+and its tokenizer starts every text with the EOS token, as training saw each document start.
 Dense models become LlamaForCausalLM (Qwen3ForCausalLM with QK-norm), sigmoid-routed MoE
 models Glm4MoeForCausalLM; see model/hf_export.py for why, and for what is refused.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +33,7 @@ import torch  # noqa: E402
 
 from model.config import ModelConfig  # noqa: E402
 from model.hf_export import ExportError, export, model_config  # noqa: E402
+from scripts.refuse import BAD_INPUT  # noqa: E402
 from trainer import checkpoint_files  # noqa: E402
 from trainer.run_env import RUN_TOKENIZER_DIR  # noqa: E402
 
@@ -37,31 +41,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_checkpoint(path: Path, allow_suspect: bool = False) -> Path:
-    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names: for a
-    directory, its newest checkpoint that is not suspect (after a divergence stop, `last_good`;
-    with `allow_suspect`, `latest`). A suspect checkpoint named outright is refused unless
-    `allow_suspect`."""
-    if path.is_dir() and not checkpoint_files.is_sharded(path):
-        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = checkpoint_files.checkpoints_in(directory)
-        latest = directory / "latest"
-        if allow_suspect and latest.exists() and (directory / latest.read_text().strip()) in found:
-            return directory / latest.read_text().strip()
-        trusted = found[0] if allow_suspect and found else checkpoint_files.newest_trusted(directory)
-        if trusted is None:
-            raise checkpoint_files.CheckpointError(
-                f"{path}: no checkpoint found in this directory" if not found else
-                f"{directory}: no checkpoint is known good (all are listed in {checkpoint_files.SUSPECT_FILE}); "
-                "pass --allow-suspect to use the newest anyway")
-        return trusted
-    if not allow_suspect:
-        checkpoint_files.refuse_suspect(path, "--allow-suspect")
-    return path  # checkpoint_files.load names a missing one itself
+    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names, as
+    train.py's checkpoint.resume reads it (trainer/checkpoint_files.py)."""
+    return checkpoint_files.resolve_checkpoint(path, allow_suspect, "--allow-suspect")
 
 
 def load_run(path: Path, allow_suspect: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(model config, parameters and persistent buffers, the run's resolved config)."""
-    state = checkpoint_files.load(resolve_checkpoint(path, allow_suspect))
+    checkpoint = resolve_checkpoint(path, allow_suspect)
+    with warnings.catch_warnings():
+        # torch.distributed.checkpoint warns that it loads in a single process when no process
+        # group exists: here that is the intent (a script reads a whole checkpoint), and the
+        # warning would only tell a user something looks wrong.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        state = checkpoint_files.load(checkpoint)
     config = state["config"]
     return model_config(config["model"]), state["params"] | state["buffers"], config
 
@@ -99,6 +93,26 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None, source
     return load_trained(path)
 
 
+def document_start_tokenizer(tokenizer):
+    """A copy of `tokenizer` whose own post-processor puts its EOS token before every text, so
+    that `AutoTokenizer.from_pretrained(export)(prompt)` gives the model a prompt as training
+    gave it a document: after the EOS that ends the one before (data/cache.py). The template
+    is saved in tokenizer.json, which every loader of a fast tokenizer reads (transformers
+    rebuilds its `add_bos_token` template only when that file has none), and it replaces a
+    pretrained tokenizer's own BOS template: training encoded without it. The EOS token is also
+    named BOS, the role it plays. None when the tokenizer has no `tokenizers` backend."""
+    from tokenizers.processors import TemplateProcessing
+
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps encoding as training did
+    eos = tokenizer.eos_token
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{eos} $A", pair=f"{eos} $A {eos} $B", special_tokens=[(eos, tokenizer.eos_token_id)])
+    tokenizer.bos_token = eos
+    return tokenizer
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="checkpoint (step_<N> dir or older .pt file), checkpoints/ dir or run dir")
@@ -113,10 +127,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg, tensors, config = load_run(args.checkpoint, args.allow_suspect)
         tokenizer = run_tokenizer(config, args.tokenizer, args.checkpoint)
-        arch = export(cfg, tensors, tokenizer, args.out_dir, DTYPES[args.dtype])
+        with_start = document_start_tokenizer(tokenizer)
+        if with_start is None:
+            print(f"warning: the tokenizer ({type(tokenizer).__name__}) has no tokenizers backend, so the "
+                  "export's does not add the EOS token before a prompt: add it by hand", file=sys.stderr)
+        arch = export(cfg, tensors, with_start or tokenizer, args.out_dir, DTYPES[args.dtype])
     except (checkpoint_files.CheckpointError, ExportError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     print(f"wrote {arch} ({cfg.name}, {args.dtype}) to {args.out_dir}")
     return 0
 

@@ -7,10 +7,12 @@ SOURCE is a checkpoint (file, checkpoints/ dir or run dir; our model, decoding w
 cache) or a directory written by scripts/export_hf.py (loaded with transformers). Greedy by
 default (--temperature 0); otherwise softmax(logits / temperature) sampling, optionally from
 the top-k tokens only. The prompt follows an EOS token, as a document does in training.
+Bad options and refused checkpoints exit with code 2, as train.py does.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -22,6 +24,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from model.gpt import GPT  # noqa: E402
+from scripts.refuse import BAD_INPUT  # noqa: E402
 
 # Takes the tokens not yet seen by the model [B, T] and returns the logits that follow the
 # last of them [B, V]; it keeps whatever state (KV cache, or the whole sequence) it needs.
@@ -42,16 +45,31 @@ def gpt_step(model: GPT, use_cache: bool = True) -> Step:
     return step
 
 
+def cache_argument(model) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` since transformers renamed it
+    (`past_key_values` then warns that it goes in 5.40), `past_key_values` in the earlier 5.x
+    releases requirements.txt allows, whose **kwargs would swallow `cache` unread."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def hf_step(model) -> Step:
     """A transformers causal LM, decoding with its own cache."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
 
     def step(new: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=new, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=new, use_cache=True, **cache).logits[:, -1]
 
     return step
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """`prompt`'s token ids after the EOS token, as training saw a document start: after the
+    EOS ending the one before. Added here, and the tokenizer's own special tokens left out: an
+    export's tokenizer adds that EOS itself (scripts/export_hf.py) and a run's does not, so
+    this gives it once from either."""
+    return [tokenizer.eos_token_id] + tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
@@ -124,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  ("--top-k", args.top_k, 0), ("--temperature", args.temperature, 0)):
         if not value >= minimum:  # before the checkpoint is read
             print(f"error: {flag} must be >= {minimum}, got {value}", file=sys.stderr)
-            return 2
+            return BAD_INPUT
     from trainer.checkpoint_files import CheckpointError
 
     device = torch.device(args.device)
@@ -132,11 +150,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         step, tokenizer, max_len = load_source(args.source, device, args.allow_suspect)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    ids = [tokenizer.eos_token_id] + tokenizer.encode(args.prompt, add_special_tokens=False)
+        return BAD_INPUT
+    ids = prompt_ids(tokenizer, args.prompt)
     if len(ids) >= max_len:
-        print(f"error: the prompt is {len(ids)} tokens; the model takes at most {max_len}", file=sys.stderr)
-        return 1
+        print(f"error: --prompt is {len(ids)} tokens; the model takes at most {max_len}", file=sys.stderr)
+        return BAD_INPUT
     prompt = torch.tensor([ids] * args.num_samples, device=device)
     out = generate(step, prompt, min(args.max_new_tokens, max_len - len(ids)), args.temperature,
                    args.top_k, tokenizer.eos_token_id, args.seed)

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data.manifest import MANIFEST_PATH, TOPICS_FILE, CorpusPart, Manifest, is_stripped, read_topics  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
 
 
 class Library:
@@ -37,7 +38,7 @@ class Library:
                 if file.is_file():
                     self.files[file.relative_to(path).as_posix()] = file.read_bytes()
         if "os.py" not in self.files:
-            raise SystemExit(f"error: {path}: no os.py, so not a standard library")
+            refuse(f"{path}: no os.py, so not a standard library")
 
     def modules(self) -> dict[str, str]:
         texts = {}
@@ -72,13 +73,13 @@ def main() -> None:
     for arg in args.libraries:
         label, sep, path = arg.rpartition("=")
         if not sep or not label:
-            raise SystemExit(f"error: {arg!r}: expected LABEL=PATH")
+            refuse(f"{arg!r}: expected LABEL=PATH")
         labels.append(label)
         libraries.append(Library(Path(path).expanduser()))
     with_topics = [lib.topics() for lib in libraries]
     with_topics = [t for t in with_topics if t]
     if not with_topics:
-        raise SystemExit(f"error: no library has {TOPICS_FILE}")
+        refuse(f"no library has {TOPICS_FILE}")
 
     manifest = Manifest(
         stdlib=CorpusPart.common("code", shared([lib.modules() for lib in libraries])),

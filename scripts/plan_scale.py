@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from eval.scale_plan import DESIGNS, Hardware, Step, ep_sizes, local_params, predict, predict_ep, tp_sizes  # noqa: E402
 from model.config import CHECKPOINTING_MODES, ModelConfig  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
 
 GB = 1e9
 
@@ -44,7 +45,7 @@ def parse_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or key not in types:
-            raise SystemExit(f"error: model override {item!r}: expected key=value with a ModelConfig key")
+            refuse(f"model override {item!r}: expected key=value with a ModelConfig key")
         kind = {"int": int, "float": float, "bool": lambda v: v.lower() == "true"}.get(str(types[key]), str)
         changes[key] = kind(value)
     return replace(cfg, **changes)
@@ -140,11 +141,11 @@ def main() -> None:
         cfg = parse_overrides(model_config(args.model, args.vocab), args.overrides)
         hw = Hardware.load(args.hardware)
     except (FileNotFoundError, ValueError) as err:
-        raise SystemExit(f"error: {err}")
+        refuse(str(err))
     if args.loss_chunks < 1:
-        raise SystemExit(f"error: --loss-chunks={args.loss_chunks} must be >= 1 (model.loss_chunks)")
+        refuse(f"--loss-chunks={args.loss_chunks} must be >= 1 (model.loss_chunks)")
     if args.memory_gb < 0:
-        raise SystemExit(f"error: --memory-gb={args.memory_gb} must be > 0 (0: the hardware profile's)")
+        refuse(f"--memory-gb={args.memory_gb} must be > 0 (0: the hardware profile's)")
     memory_gb = args.memory_gb or hw.hbm_gb
     seq_len = args.seq_len or cfg.max_seq_len
     steps = plan(cfg, hw, args.gpus, args.tokens_per_step, seq_len, args.micro_batch, args.activation_checkpointing,

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.run_records import RecordError, plan_records, write_record  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     try:
         planned = plan_records(args.sources, args.into, args.replace, args.skip_unfinished)
     except (RecordError, FileNotFoundError) as err:
-        sys.exit(f"error: {err}")
+        refuse(str(err))
     for p in planned:
         record = write_record(p.run_dir, p.record_dir)
         size = sum(f.stat().st_size for f in record.rglob("*") if f.is_file())

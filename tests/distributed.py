@@ -1,11 +1,25 @@
-"""Run a function in N spawned processes on gloo, the way torchrun would lay them out."""
+"""Run a function in N spawned processes on gloo, the way torchrun would lay them out.
+
+The processes are kept between calls, one set per world size, for the whole pytest run:
+starting a process and importing torch and the project costs seconds per rank, several times
+the work of most distributed tests, and the suite makes hundreds of such calls. What a call
+sees is still what a fresh launch would give it: a new default process group over a new file
+store, the environment, thread count and default seed of a fresh rank, and no process group,
+compiled graph or DTensor cache left by the call before. A call that leaks a process group, or
+whose rank dies, takes its set of processes down with it; the next call starts a fresh one.
+"""
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import pickle
+import sys
 import tempfile
+import time
 import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +36,9 @@ from parallel.mesh import destroy_mesh
 # gloo's threads: a device's socket loop and a group's workers. They end when their process
 # group is freed; see _leftover_gloo_threads.
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+# The longest one call may take before its processes are killed: a rank stuck in a collective
+# that its peers never join would otherwise hang the suite.
+CALL_TIMEOUT_S = 900.0
 
 
 def _leftover_gloo_threads() -> list[str]:
@@ -46,15 +63,14 @@ def _leftover_gloo_threads() -> list[str]:
     return sorted(n for n in names if n in GLOO_THREADS)
 
 
-def _worker(rank: int, world_size: int, rendezvous: str, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # world_size processes share 2 cores
+def _run_call(rank: int, world_size: int, rendezvous: str, fn: Callable, args: tuple) -> tuple[str, Any]:
+    """One call on this rank, between a fresh default group and its destruction."""
     # A file store in this call's own directory: no port to pick, so concurrent runs (pytest -n,
-    # another checkout's tests) cannot meet in one rendezvous or race for a port.
+    # another checkout's tests) cannot meet in one rendezvous or race for a port; and a new
+    # store per call, so group names restarting at 0 never meet the last call's keys.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
-        result: Any = fn(rank, world_size, *args)
-        payload = ("ok", result)
+        payload: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
     except BaseException:  # report any failure to the parent with its traceback
         payload = ("error", traceback.format_exc())
     finally:
@@ -62,33 +78,137 @@ def _worker(rank: int, world_size: int, rendezvous: str, out_dir: str, fn: Calla
         # and so do those that DTensor's caches hold (after FSDP2).
         gc.collect()
         destroy_mesh()
-    leftover = _leftover_gloo_threads()
-    if leftover and payload[0] == "ok":
-        payload = ("error", f"a process group outlived destroy_process_group (gloo threads still running: "
-                            f"{', '.join(leftover)}): something still references it, e.g. a module first "
-                            "imported after init_process_group whose defaults captured group.WORLD")
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(payload, f)
-    if leftover:
-        # Skip the interpreter shutdown those threads can abort in, so that the parent reports
-        # the leak above rather than a signal.
-        os._exit(0)
+    if "torch._dynamo" in sys.modules:  # the next call compiles its own functions
+        torch._dynamo.reset()
+    return payload
+
+
+def _serve(rank: int, world_size: int, conn: Connection) -> None:
+    """A rank's loop: (rendezvous, fn, args) in, ("ok", result) or ("error", traceback) out."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    fresh_env = dict(os.environ)
+    fresh_seed = torch.initial_seed()  # a fresh process's default generator seed
+    while True:
+        message = conn.recv_bytes()
+        if not message:
+            return
+        rendezvous, fn, args = pickle.loads(message)
+        os.environ.clear()
+        os.environ.update(fresh_env)
+        torch.set_num_threads(1)  # world_size processes share 2 cores
+        torch.manual_seed(fresh_seed)
+        payload = _run_call(rank, world_size, rendezvous, fn, args)
+        leftover = _leftover_gloo_threads()
+        if leftover and payload[0] == "ok":
+            payload = ("error", f"a process group outlived destroy_process_group (gloo threads still running: "
+                                f"{', '.join(leftover)}): something still references it, e.g. a module first "
+                                "imported after init_process_group whose defaults captured group.WORLD")
+        conn.send_bytes(pickle.dumps(payload))
+        if leftover:
+            # Skip the interpreter shutdown those threads can abort in: the parent reports the
+            # leak above and starts fresh processes for the next call.
+            os._exit(0)
+
+
+@dataclass
+class _Ranks:
+    """One set of serving processes for one world size."""
+    world_size: int
+    processes: list = field(default_factory=list)
+    connections: list[Connection] = field(default_factory=list)
+    scratch: tempfile.TemporaryDirectory = field(default_factory=tempfile.TemporaryDirectory)
+    calls: int = 0
+
+    @classmethod
+    def start(cls, world_size: int) -> "_Ranks":
+        ranks = cls(world_size)
+        context = mp.get_context("spawn")
+        for rank in range(world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_serve, args=(rank, world_size, child_end), daemon=True)
+            process.start()
+            child_end.close()
+            ranks.processes.append(process)
+            ranks.connections.append(parent_end)
+        return ranks
+
+    def call(self, fn: Callable, args: tuple) -> list[tuple[str, Any]]:
+        self.calls += 1
+        rendezvous = str(Path(self.scratch.name) / f"rendezvous{self.calls}")
+        message = pickle.dumps((rendezvous, fn, args))
+        for conn in self.connections:
+            conn.send_bytes(message)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        return [self._answer(rank, conn, deadline) for rank, conn in enumerate(self.connections)]
+
+    def _answer(self, rank: int, conn: Connection, deadline: float) -> tuple[str, Any]:
+        process = self.processes[rank]
+        while not conn.poll(0.2):
+            if not process.is_alive() and not conn.poll(0):
+                raise RankDied(f"rank {rank} died (exit code {process.exitcode}) before answering")
+            if time.monotonic() > deadline:
+                raise RankDied(f"rank {rank} gave no answer in {CALL_TIMEOUT_S:.0f} s")
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except EOFError:
+            raise RankDied(f"rank {rank} died (exit code {process.exitcode}) while answering") from None
+
+    def healthy(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def stop(self) -> None:
+        for conn in self.connections:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.connections:
+            conn.close()
+        self.scratch.cleanup()
+
+
+class RankDied(RuntimeError):
+    """A serving rank ended or hung during a call."""
+
+
+_RANKS: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _stop_all() -> None:
+    while _RANKS:
+        _RANKS.popitem()[1].stop()
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """fn(rank, world_size, *args) on every rank; returns the per-rank results.
 
-    `fn` must be importable (module level) and its results picklable (CPU tensors are).
+    `fn` must be importable (module level), and its arguments and results picklable (CPU
+    tensors are). fn may change module state in the rank's process for its own use, but must
+    undo it: the process serves later calls (environment, seed and thread count are reset).
     """
-    with tempfile.TemporaryDirectory() as out_dir:
-        rendezvous = str(Path(out_dir) / "rendezvous")
-        mp.start_processes(_worker, args=(world_size, rendezvous, out_dir, fn, args),
-                           nprocs=world_size, join=True, start_method="spawn")
-        results = []
-        for rank in range(world_size):
-            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results.append(value)
+    ranks = _RANKS.get(world_size)
+    if ranks is None or not ranks.healthy():
+        if ranks is not None:
+            ranks.stop()
+        ranks = _RANKS[world_size] = _Ranks.start(world_size)
+    try:
+        answers = ranks.call(fn, args)
+    except BaseException:  # a dead or hung rank, or an interrupt: these processes are done
+        _RANKS.pop(world_size).stop()
+        raise
+    if any(status != "ok" for status, _ in answers):
+        # A failed call may leave its processes in any state (a leaked process group ends its
+        # rank after answering): the next call gets fresh ones.
+        _RANKS.pop(world_size).stop()
+    results = []
+    for rank, (status, value) in enumerate(answers):
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results.append(value)
     return results

@@ -196,7 +196,8 @@ def test_help_names_every_preset_the_most_changed_keys_and_the_readme():
         for option in sorted((REPO / "conf" / group).glob("*.yaml")):
             assert re.search(rf"\b{option.stem}\b", page), (group, option.stem)
     defaults = to_dataclass(compose([]))
-    shown = dict(re.findall(r"^  (\S+)=(\S+)\s{2,}", page, flags=re.M))
+    most_changed = page.split("The keys changed most:")[1].split("\n\n")[0]
+    shown = dict(re.findall(r"^  (\S+)=(\S+)\s{2,}", most_changed, flags=re.M))
     assert shown.keys() == {"optim.lr", "trainer.max_steps", "trainer.batch_size", "trainer.precision", "seed"}
     for key, value in shown.items():
         node = defaults

@@ -383,6 +383,146 @@ def test_a_pretrained_tokenizer_that_cannot_be_loaded_is_one_line_naming_the_key
     assert "save_pretrained" in message and "HF_HUB_OFFLINE=1" in message
 
 
+def closed_port() -> int:
+    """A local port nothing listens on: connecting to it is refused at once."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def hub_down(tmp_path, monkeypatch):
+    """HF_ENDPOINT (as huggingface_hub read it) at a closed local port, no offline switch set,
+    and an empty hub cache of the test's own; returns the endpoint."""
+    from huggingface_hub import constants
+
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    return endpoint
+
+
+def fill_hub_cache(cache: Path, repo_id: str, tokenizer) -> None:
+    """The hub cache as a download of a tokenizer-only `repo_id` leaves it: refs/main names a
+    snapshot, and .no_exist records that the repo has no config.json."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    tokenizer.save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / ".no_exist" / commit).mkdir(parents=True)
+    (repo / ".no_exist" / commit / "config.json").touch()
+
+
+def test_an_unreachable_hub_is_one_line_within_5_s_and_no_retries(hub_down, capfd):
+    """Before: about 50 s and twenty retry warnings, each printed twice, then the error."""
+    start = time.perf_counter()
+    with pytest.raises(DataConfigError) as err:
+        load_pretrained("org/tiny-tok")
+    assert time.perf_counter() - start < 5
+    message = str(err.value)
+    port = hub_down.rsplit(":", 1)[1]
+    assert message.startswith(f"data.tokenizer: cannot load 'org/tiny-tok' (the Hugging Face hub at {hub_down} is "
+                              f"unreachable: connection to 127.0.0.1:{port} refused; it is not in the cache ")
+    assert "\n" not in message and "save_pretrained" in message and "HF_HUB_OFFLINE=1" in message
+    out, errors = capfd.readouterr()
+    assert "Retry" not in out + errors and "Retrying" not in out + errors
+
+
+def test_a_hub_that_does_not_answer_is_given_up_on_at_the_timeout(monkeypatch):
+    """A resolver or a route that hangs (no refusal, no answer) costs the timeout, no more."""
+    import data.hub
+
+    def hang(address, timeout=None):
+        time.sleep(3)  # longer than the probe waits
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(data.hub.socket, "create_connection", hang)
+    start = time.perf_counter()
+    status = data.hub.probe_hub("http://hub.invalid:8080", timeout_s=0.3)
+    assert time.perf_counter() - start < 1.0
+    assert status.describe() == ("the Hugging Face hub at http://hub.invalid:8080 is unreachable: no answer from "
+                                 "hub.invalid:8080 within 0.3 s")
+
+
+def test_a_listening_hub_is_reachable():
+    import socket
+
+    from data.hub import probe_hub
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert probe_hub(f"http://127.0.0.1:{server.getsockname()[1]}").reachable
+
+
+def test_a_cached_hub_tokenizer_loads_when_the_hub_is_unreachable(hub_down, tmp_path, small_tokenizer, caplog):
+    fill_hub_cache(tmp_path / "hub", "org/tiny-tok", small_tokenizer)
+    caplog.set_level(logging.WARNING, logger="data")
+    start = time.perf_counter()
+    tokenizer = load_pretrained("org/tiny-tok")
+    assert time.perf_counter() - start < 5
+    assert tokenizer.get_vocab() == small_tokenizer.get_vocab() and tokenizer.eos_token == EOS_TOKEN
+    assert caplog.messages == [f"data.tokenizer: the Hugging Face hub at {hub_down} is unreachable: connection to "
+                               f"127.0.0.1:{hub_down.rsplit(':', 1)[1]} refused: loaded 'org/tiny-tok' from the "
+                               "local cache"]
+
+
+def test_offline_mode_reads_the_cache_without_probing(hub_down, tmp_path, small_tokenizer, monkeypatch):
+    import data.tokenizer
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("HF_HUB_OFFLINE is set: the hub is not to be asked")
+
+    monkeypatch.setattr(data.tokenizer, "probe_hub", no_probe)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataConfigError, match=r"^data.tokenizer: cannot load 'org/tiny-tok' \(HF_HUB_OFFLINE is "
+                                              r"set; it is not in the cache "):
+        load_pretrained("org/tiny-tok")
+    fill_hub_cache(tmp_path / "hub", "org/tiny-tok", small_tokenizer)
+    assert load_pretrained("org/tiny-tok").get_vocab() == small_tokenizer.get_vocab()
+
+
+def test_a_local_tokenizer_dir_loads_without_asking_the_hub(hub_down, tmp_path, small_tokenizer, monkeypatch):
+    import data.tokenizer
+
+    monkeypatch.setattr(data.tokenizer, "probe_hub", lambda *a, **k: pytest.fail("a local dir needs no hub"))
+    small_tokenizer.save_pretrained(tmp_path / "saved")
+    assert load_pretrained(str(tmp_path / "saved")).get_vocab() == small_tokenizer.get_vocab()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_dataset_with_the_hub_unreachable_is_one_line_naming_the_key(hub_down, hf_cache, streaming):
+    start = time.perf_counter()
+    with pytest.raises(DataConfigError) as err:
+        HFSource("data.eval_sets.web", "org/some-dataset", streaming=streaming).dataset
+    assert time.perf_counter() - start < 5
+    message = str(err.value)
+    unreachable = f"the Hugging Face hub at {hub_down} is unreachable: connection to 127.0.0.1:{hub_down.rsplit(':', 1)[1]}"
+    if streaming:
+        assert message.startswith(f"data.eval_sets.web.path: cannot stream 'org/some-dataset': {unreachable}")
+        assert "data.eval_sets.web.streaming=false" in message
+    else:
+        assert message.startswith(f"data.eval_sets.web.path: cannot load 'org/some-dataset' ({unreachable}")
+        assert "not in the cache" in message and "HF_HUB_OFFLINE=1" in message
+    assert "\n" not in message
+
+
+def test_only_hub_names_ask_the_hub(tmp_path):
+    from data.sources import needs_hub
+
+    (tmp_path / "corpus.txt").write_text("x")
+    assert needs_hub("HuggingFaceFW/fineweb-edu", None) and needs_hub("wikitext", None)
+    assert not needs_hub("text", [str(tmp_path / "corpus.txt")]) and not needs_hub(str(tmp_path / "corpus.txt"), None)
+    assert needs_hub("parquet", ["hf://datasets/org/x/data/*.parquet"])
+    assert not needs_hub("./missing-dir", None)
+
+
 def test_hf_local_text_files_with_an_hf_eval_set(tmp_path, hf_cache):
     corpus = tmp_path / "corpus.txt"
     lines = write_corpus(corpus)

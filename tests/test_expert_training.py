@@ -12,6 +12,7 @@ import torch
 from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_parallel_training import COMMON, assert_tracks, losses, read_metrics
+from tests.test_start_checks import logged
 from trainer.config import to_dataclass
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
@@ -30,7 +31,8 @@ def _train(run_dir: Path, overrides: list[str], mesh=None, starve: bool = False)
     from trainer.loop import Trainer
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(to_dataclass(compose(COMMON + MOE + MUON + overrides)), run_dir, mesh)
+    with logged("trainer") as said:
+        trainer = Trainer(to_dataclass(compose(COMMON + MOE + MUON + overrides)), run_dir, mesh)
     if starve:
         for _, layer in moe_layers(trainer.model):
             layer.expert_bias[-1] = STARVED
@@ -60,7 +62,8 @@ def _train(run_dir: Path, overrides: list[str], mesh=None, starve: bool = False)
                for n, p in trainer.model.named_parameters() if ".experts." in n}
     return {"experts": experts, "bias": [layer.expert_bias.clone() for _, layer in moe_layers(trainer.model)],
             "balance": balance, "dispatches": dispatches, "ep_rank": trainer.mesh.ep_rank,
-            "tp_rank": trainer.mesh.tp_rank, "ep": trainer.mesh.ep}
+            "tp_rank": trainer.mesh.tp_rank, "ep": trainer.mesh.ep, "model": trainer.model_cfg,
+            "model_lines": [line for line in said if line.startswith("model ")]}
 
 
 def _ep_worker(rank: int, world: int, run_dir: str, overrides: list[str], starve: bool) -> dict:
@@ -156,6 +159,16 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
         assert metrics[step]["comm/ep/all_to_all_calls"] == 5 * len(mine)  # counts, 2 forward, 2 backward
         checked += 1
     assert checked == 9 and len({d["received"] for d in dispatches}) > 1
+    # The start-up line: the whole layout, and this rank's experts beside the model's total
+    # (the planner's counts, from shapes alone).
+    from eval.memory_plan import local_params
+
+    total = sum(p.numel for p in local_params(results[0]["model"], 1))
+    mine = sum(p.numel for p in local_params(results[0]["model"], 1, ep=2))
+    assert mine < total
+    assert [line.split("; corpus ")[0] for line in results[0]["model_lines"]] == [
+        f"model moe_tiny: {total / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this rank; "
+        f"mesh dp_replicate=2 dp_shard=1 tp=1 ep=2; {2 * 2 * 32} tokens per step"]
 
 
 # (dp, tp, ep, dp_shard) saved -> loaded: each rank writes its experts (under FSDP2 its rows of

@@ -6,14 +6,18 @@ as a logit difference far above the 1e-4 tolerance.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from data.tokenizer import EOS_TOKEN, train_bpe
@@ -163,10 +167,37 @@ def test_tokenizer_of_another_vocabulary_is_refused(tmp_path, tokenizer):
 
 def test_missing_checkpoint_is_one_line_naming_the_path(tmp_path, capsys):
     missing = tmp_path / "run" / "step_00000010.pt"
-    assert export_hf.main([str(missing), str(tmp_path / "out")]) == 1
+    assert export_hf.main([str(missing), str(tmp_path / "out")]) == 2  # bad input, as train.py
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(missing) in err and "no such checkpoint" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("own_template", [False, True], ids=["plain", "with-its-own-bos"])
+def test_the_exported_tokenizer_starts_every_text_with_eos_as_training_did(tmp_path, tokenizer, own_template):
+    """Before: AutoTokenizer on an export encoded a prompt without the EOS that starts every
+    training document, so plain transformers prompted the model unlike training."""
+    text = "def forward(self, y):  return y\n"
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    source = tokenizer
+    if own_template:  # a pretrained tokenizer that adds a BOS of its own: training left it out
+        source = copy.deepcopy(tokenizer)
+        bos = source.convert_ids_to_tokens(plain[0])
+        source.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, plain[0])])
+        assert source.encode(text) == [plain[0]] + plain
+    before = source.encode(text)
+    with_start = export_hf.document_start_tokenizer(source)
+    assert source.encode(text) == before  # the run's tokenizer encodes as training did
+    cfg = preset("gpt_tiny", len(tokenizer))
+    export(cfg, GPT(cfg).state_dict(), with_start, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    eos = tokenizer.eos_token_id
+    assert loaded(text)["input_ids"] == [eos] + plain
+    assert loaded(text, return_tensors="pt")["input_ids"].tolist() == [[eos] + plain]
+    assert loaded(text, add_special_tokens=False)["input_ids"] == plain
+    assert (loaded.bos_token, loaded.bos_token_id) == (EOS_TOKEN, eos)
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
 
 
 # ---- from real training checkpoints: TP=2 and ZeRO (DP=2) export like TP=1 ----
@@ -242,6 +273,9 @@ def test_a_run_dir_is_self_contained_export_works_from_anywhere(tmp_path, runs, 
     assert exported.get_vocab() == in_run.get_vocab()
 
 
+# Our own calls into transformers must use the arguments it documents now: a deprecated one
+# (`past_key_values`, which warns it goes in 5.40) fails these tests before it fails users.
+@pytest.mark.filterwarnings("error::FutureWarning")
 def test_generate_prints_the_same_greedy_text_from_the_checkpoint_and_the_export(tmp_path, runs, capsys):
     from scripts import generate
 
@@ -254,3 +288,59 @@ def test_generate_prints_the_same_greedy_text_from_the_checkpoint_and_the_export
     theirs = capsys.readouterr().out
     assert ours == theirs
     assert ours.startswith("def ") and len(ours) > len("def \n")
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_generate_and_plain_transformers_give_the_same_greedy_tokens(tmp_path, runs):
+    """Before: the exported tokenizer left out the EOS that starts every training document, so
+    `AutoTokenizer` + `generate()` prompted the model otherwise than generate.py did."""
+    from scripts import generate
+
+    out = tmp_path / "hf"
+    assert export_hf.main([str(runs["tp1"]), str(out)]) == 0
+    prompt, n = "def ", 12
+    tok = AutoTokenizer.from_pretrained(out)
+    inputs = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out).generate(**inputs, max_new_tokens=n, do_sample=False)
+    assert theirs.shape[1] > inputs["input_ids"].shape[1]
+    for source in (runs["tp1"], out):  # our model with its KV cache; the export through generate.py
+        step, tokenizer, _ = generate.load_source(source, torch.device("cpu"))
+        ids = generate.prompt_ids(tokenizer, prompt)
+        eos = tokenizer.eos_token_id
+        assert ids == [eos] + tokenizer.encode(prompt, add_special_tokens=False)  # EOS once, not twice
+        assert ids == inputs["input_ids"][0].tolist()
+        ours = generate.generate(step, torch.tensor([ids]), n, eos_id=eos)
+        assert ours.tolist() == theirs.tolist()
+
+
+def test_export_and_generate_from_a_checkpoint_show_no_warning(tmp_path, runs, capsys):
+    """Before: both printed torch.distributed.checkpoint's "torch.distributed is disabled,
+    unavailable or uninitialized" UserWarning, which only looks like something went wrong."""
+    from scripts import generate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert export_hf.main([str(runs["tp1"]), str(tmp_path / "hf")]) == 0
+        assert generate.main([str(runs["tp1"]), "--prompt", "def ", "--max-new-tokens", "2"]) == 0
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert "Warning" not in capsys.readouterr().err
+
+
+def test_a_suspect_checkpoint_is_refused_with_exit_2_in_one_line(tmp_path, runs, capsys):
+    """Before: export_hf.py and generate.py exited 1 on it, train.py 2; now every refusal is 2."""
+    from scripts import generate
+    from trainer import checkpoint_files
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["tp1"], run)
+    checkpoint_files.set_suspect(run / "checkpoints", "step_00000002", "a test's reason")
+    suspect = run / "checkpoints" / "step_00000002"
+    capsys.readouterr()
+    for source, says in ((suspect, "a test's reason"), (run, "no checkpoint is known good")):
+        assert export_hf.main([str(source), str(tmp_path / "hf")]) == 2
+        assert generate.main([str(source), "--prompt", "def "]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 2 and all(says in line and "--allow-suspect" in line for line in lines), lines
+    assert not (tmp_path / "hf").exists()
+    assert export_hf.main([str(suspect), str(tmp_path / "hf"), "--allow-suspect"]) == 0

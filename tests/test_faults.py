@@ -142,7 +142,8 @@ def test_killed_or_preempted_run_resumes_to_exactly_the_same_losses(tmp_path, un
     proc.send_signal(sig)
     code = proc.wait(timeout=120)
     if sig in (signal.SIGTERM, signal.SIGINT):
-        assert code == 143  # saved a checkpoint at a step boundary, then exited
+        # Saved a checkpoint at a step boundary, then exited as the signal's own: 128 + its number.
+        assert code == {signal.SIGTERM: 143, signal.SIGINT: 130}[sig]
         latest = (tmp_path / "checkpoints" / "latest").read_text()
         assert int(latest[5:13]) >= 8
         # It says how to go on: the same command line, with its run dir pinned.
@@ -151,9 +152,25 @@ def test_killed_or_preempted_run_resumes_to_exactly_the_same_losses(tmp_path, un
         assert said == [f"to resume: {shlex.join(['python', 'train.py', *args])}"], said
     else:
         assert code == -signal.SIGKILL
+    at = int((tmp_path / "checkpoints" / "latest").read_text()[5:13])
+    before = (tmp_path / "metrics.jsonl").read_text().splitlines()
     resumed = launch(tmp_path)  # checkpoint.resume=auto
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     assert final_losses(tmp_path) == uninterrupted
+    # One row per step: the stopped run's rows past the checkpoint were set aside, not repeated.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 17))
+    past = [line for line in before if line.strip() and not json_row_at_or_before(line, at)]
+    aside = tmp_path / "metrics.set_aside.jsonl"
+    assert (aside.read_text().splitlines() if aside.exists() else []) == past
+
+
+def json_row_at_or_before(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl line is a whole row of `step` or earlier (a kill can cut the last one short)."""
+    try:
+        return json.loads(line)["step"] <= step
+    except ValueError:
+        return False
 
 
 def launch_torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:

@@ -44,10 +44,13 @@ def _fsdp_worker(rank: int, world: int, dp_replicate: int, micro_batches: int, m
     apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh))
 
     # Count the gradient reduce-scatters FSDP2 issues (it calls torch.distributed directly).
+    # The rank's process serves later tests (tests/distributed.py): the originals go back below.
     calls = {"reduce_scatter": 0}
+    originals = {}
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         real = getattr(dist, name, None)
         if real is not None:
+            originals[name] = real
             def counted(*args, _real=real, **kwargs):
                 calls["reduce_scatter"] += 1
                 return _real(*args, **kwargs)
@@ -63,6 +66,8 @@ def _fsdp_worker(rank: int, world: int, dp_replicate: int, micro_batches: int, m
         before = calls["reduce_scatter"]
         (model(idx[rank, m], tgt[rank, m]) / micro_batches).backward()
         reduce_scatters.append(calls["reduce_scatter"] - before)
+    for name, real in originals.items():
+        setattr(dist, name, real)
     reference(idx.reshape(-1, 12), tgt.reshape(-1, 12)).backward()
 
     grad_errors = {}

@@ -97,12 +97,14 @@ def _numbers_worker(rank: int, world: int, run_dir: str, extra: tuple[str, ...] 
     from parallel.mesh import build_mesh
     from tests.conftest import compose
     from tests.test_parallel_training import COMMON
+    from tests.test_start_checks import logged
     from trainer.config import to_dataclass
     from trainer.loop import Trainer
 
     cfg = to_dataclass(compose(COMMON + MUON + [f"parallel.dp_shard={world}", "trainer.batch_size=1",
                                                 "trainer.grad_accum=2", "trainer.max_steps=3", *extra]))
-    trainer = Trainer(cfg, Path(run_dir), build_mesh(1, dp_shard=world))
+    with logged("trainer") as said:
+        trainer = Trainer(cfg, Path(run_dir), build_mesh(1, dp_shard=world))
     x, y = trainer.train_batches.micro_batch(0, 0, trainer.mesh.dp_rank, trainer.mesh.dp, 1)
     trainer.forward(x, y).backward()
     grads = sum(local_rows(p.grad)[0].numel() * 4 for p in trainer.model.parameters())
@@ -112,7 +114,8 @@ def _numbers_worker(rank: int, world: int, run_dir: str, extra: tuple[str, ...] 
     trainer.optimizer.zero_grad()
     state = trainer.optimizer.state_bytes()
     trainer.train()
-    return {"params": params, "grads": grads, "state": state, "model": trainer.model_cfg}
+    return {"params": params, "grads": grads, "state": state, "model": trainer.model_cfg,
+            "model_lines": [line for line in said if line.startswith("model ")]}
 
 
 def test_fsdp_bytes_and_memory_meet_the_planners_formulas(tmp_path):
@@ -143,6 +146,12 @@ def test_fsdp_bytes_and_memory_meet_the_planners_formulas(tmp_path):
     full = 4 * sum(p.numel for p in params)
     assert rank0["params"] + rank0["grads"] <= 1.02 * (2 * full) / world
     assert memory["gathered"] < full
+    # The start-up line: the whole layout, and this rank's share beside the model's total (rank 0's alone).
+    total = sum(p.numel for p in params)
+    assert [line.split("; corpus ")[0] for line in rank0["model_lines"]] == [
+        f"model gpt_tiny: {total / 1e6:.2f}M parameters, {rank0['params'] / 4 / 1e6:.2f}M on this rank; "
+        f"mesh dp_replicate=1 dp_shard={world} tp=1 ep=1; {2 * world * 64} tokens per step"]
+    assert rank0["params"] / 4 < total / 2 and all(r["model_lines"] == [] for r in results[1:])
 
 
 def test_weights_kept_from_forward_to_backward_are_gathered_once(tmp_path):

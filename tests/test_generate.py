@@ -8,10 +8,14 @@ from transformers import AutoModelForCausalLM
 
 from model.config import ModelConfig
 from model.hf_export import export
-from scripts.generate import generate, gpt_step, hf_step, next_token
+from scripts.generate import cache_argument, generate, gpt_step, hf_step, next_token
 from tests.test_export import preset, random_model, tokenizer  # noqa: F401  (tokenizer is a fixture)
 
 VOCAB = 97
+
+# Our calls into transformers must use the arguments it documents now: a deprecated one
+# (`past_key_values`, which warns it goes in 5.40) fails here before it fails users.
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -72,6 +76,17 @@ def test_greedy_generation_cache_no_cache_and_transformers_agree(tmp_path, token
     assert torch.equal(cached, theirs_loop)
     assert torch.equal(cached, theirs)
     assert len(set(cached[:, 5:].flatten().tolist())) > 3  # not one token repeated
+
+
+def test_the_kv_cache_goes_by_the_name_the_models_forward_takes(tmp_path, tokenizer):  # noqa: F811
+    class EarlierRelease(torch.nn.Module):  # transformers 5 before the rename
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            raise NotImplementedError
+
+    assert cache_argument(EarlierRelease()) == "past_key_values"
+    model = random_model(preset("gpt_tiny", len(tokenizer)))
+    export(model.cfg, model.state_dict(), tokenizer, tmp_path)
+    assert cache_argument(AutoModelForCausalLM.from_pretrained(tmp_path)) == "cache"  # this release
 
 
 def test_sampling_is_seeded_and_cache_independent():

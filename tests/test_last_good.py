@@ -107,7 +107,7 @@ def test_resume_export_and_generate_after_a_divergence_take_the_last_good_checkp
     assert export_hf.resolve_checkpoint(run) == good
     assert export_hf.main([str(run), str(tmp_path / "hf")]) == 0
     assert hf_logits_are_finite(tmp_path / "hf")
-    assert export_hf.main([str(latest), str(tmp_path / "hf_latest")]) == 1
+    assert export_hf.main([str(latest), str(tmp_path / "hf_latest")]) == 2  # bad input, as train.py
     assert not (tmp_path / "hf_latest").exists()
 
     # Sampling: the same text as from the last good checkpoint named outright.
@@ -115,7 +115,7 @@ def test_resume_export_and_generate_after_a_divergence_take_the_last_good_checkp
     assert from_run.returncode == 0 and from_good.returncode == 0, from_run.stderr[-2000:]
     assert from_run.stdout == from_good.stdout
     refused = generate(latest)
-    assert refused.returncode == 1 and "--allow-suspect" in refused.stderr
+    assert refused.returncode == 2 and "--allow-suspect" in refused.stderr
     assert generate(latest, "--allow-suspect").returncode == 0
 
     # Resume: from the last good checkpoint, at a sane lr; the suspect ones are set aside.

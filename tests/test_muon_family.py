@@ -281,11 +281,17 @@ def _option_worker(rank: int, world: int, tp: int, option: str, tp_mode: str) ->
     import optim.newton_schulz_tp as ns_tp
 
     gram_calls = []
-    for module, name in ((ns, "_iterate_gram"), (ns_tp, "_gram_sharded")):
-        setattr(module, name, lambda *a, _f=getattr(module, name): gram_calls.append(1) or _f(*a))
+    patched = ((ns, "_iterate_gram"), (ns_tp, "_gram_sharded"))
+    originals = [getattr(module, name) for module, name in patched]
+    for (module, name), real in zip(patched, originals):
+        setattr(module, name, lambda *a, _f=real: gram_calls.append(1) or _f(*a))
     muon = {"normuon": {"normuon": True}, "gram": {"ns_method": "gram"}}[option]
-    _, model, ref = trained_pair(optim_cfg("muon", tp_mode=tp_mode, **muon), tp, WIDE_CFG,
-                                 after_reference=gram_calls.clear)  # count the parallel run's only
+    try:
+        _, model, ref = trained_pair(optim_cfg("muon", tp_mode=tp_mode, **muon), tp, WIDE_CFG,
+                                     after_reference=gram_calls.clear)  # count the parallel run's only
+    finally:  # the rank's process serves later tests (tests/distributed.py)
+        for (module, name), real in zip(patched, originals):
+            setattr(module, name, real)
     worst = max(((full - ref[n]).norm() / ref[n].norm()).item() for n, full in model.items())
     return worst, len(gram_calls)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,24 @@ def test_a_run_dir_that_cannot_be_made_is_one_line_with_exit_2(run_dir):
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = error_line(proc)
     assert line.startswith(f"error: hydra.run.dir={run_dir}: the run dir cannot be written (")
+
+
+@pytest.mark.parametrize("signals, code", [((signal.SIGINT,), 130), ((signal.SIGTERM,), 143),
+                                           ((signal.SIGTERM, signal.SIGINT), 143)])
+def test_a_signal_during_training_stops_it_with_128_plus_its_number(signals, code):
+    """Before: Ctrl-C during training exited 143, as if a scheduler had ended the job. The
+    process-level check (a run stepping, then the signal) is in tests/test_faults.py."""
+    from parallel.mesh import Mesh
+    from trainer.preemption import PreemptionFlag
+
+    flag = PreemptionFlag()
+    try:
+        assert flag.raised(Mesh()) == 0
+        for sig in signals:
+            signal.raise_signal(sig)
+        assert flag.raised(Mesh()) == code
+    finally:
+        flag.restore()
 
 
 def not_learning_warnings(caplog) -> list[str]:

@@ -105,13 +105,11 @@ def test_an_unreadable_lock_counts_until_it_is_old(tmp_path):
     assert "heartbeat is" in lock.took_over and read_holder(tmp_path / LOCK_NAME).token == lock.me.token
 
 
-@pytest.mark.parametrize("case", ["dead pid", "reused pid", "rebooted host", "old heartbeat elsewhere",
+@pytest.mark.parametrize("case", ["dead pid", "rebooted host", "old heartbeat elsewhere",
                                   "earlier torchrun attempt"])
 def test_a_stale_lock_is_taken_over_saying_why(tmp_path, case):
-    me = run_lock.this_process({})
     fields, env, reason = {
         "dead pid": ({"pid": dead_pid()}, {}, "its pid is gone"),
-        "reused pid": ({"pid_start": me.pid_start - 1}, {}, "its pid is gone"),
         "rebooted host": ({"boot_id": "another-boot"}, {}, "left before this host restarted"),
         "old heartbeat elsewhere": ({"host": "node-b", "heartbeat": iso(3600)}, {},
                                     "its heartbeat is 36NN s old (stale after 300 s)"),
@@ -128,6 +126,37 @@ def test_a_stale_lock_is_taken_over_saying_why(tmp_path, case):
     assert re.fullmatch(re.escape(said).replace("NN", r"0\d"), lock.took_over), lock.took_over
     assert read_holder(tmp_path / LOCK_NAME) == lock.me
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # no takeover or temp file left
+
+
+def test_a_lock_whose_pid_is_now_another_process_says_which_process_it_found(tmp_path):
+    """Before: "its pid is gone", while `ps` showed that pid alive (as another program)."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        # Until it has exec'd, the child is a copy of this process, command line included.
+        while Path(f"/proc/{other.pid}/cmdline").read_bytes() != b"sleep\x0030\x00":
+            assert time.monotonic() < deadline, "sleep never started"
+            time.sleep(0.01)
+        started = run_lock._process_start(other.pid)
+        assert started is not None
+        ticks_per_hour = 3600 * os.sysconf("SC_CLK_TCK")
+        # The lock's process started an hour before the one that now has its pid.
+        stale = hold_by_hand(tmp_path, pid=other.pid, pid_start=started - ticks_per_hour)
+        lock = RunLock.acquire(tmp_path)
+    finally:
+        other.kill()
+        other.wait()
+    iso_time = r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d)"
+    said = re.fullmatch(
+        re.escape(f"took over the stale lock of run dir {tmp_path} (host {HOST}, pid {other.pid}, started "
+                  f"{stale['started']}): its pid {other.pid} is now another process (`sleep 30`, started ")
+        + iso_time + re.escape("; the lock's process started ") + iso_time + re.escape(")"),
+        lock.took_over)
+    assert said, lock.took_over
+    found, lock_process = (datetime.fromisoformat(t).timestamp() for t in said.groups())
+    assert abs(time.time() - found) < 60 and abs(found - lock_process - 3600) <= 1
+    assert "pid is gone" not in lock.took_over
+    assert read_holder(tmp_path / LOCK_NAME) == lock.me
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["free", "stale"])
@@ -298,7 +327,7 @@ def test_ctrl_c_releases_the_lock(tmp_path):
     wait_for_step(tmp_path, proc, 2)
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == proc.pid
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=120) == 143  # checkpointed at a step boundary, then exited
+    assert proc.wait(timeout=120) == 130  # checkpointed at a step boundary, then exited as 128 + SIGINT
     assert not (tmp_path / LOCK_NAME).exists()
 
 

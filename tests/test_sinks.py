@@ -15,7 +15,15 @@ from data.sources import MissingPackageError, check_data_packages
 from tests.conftest import REPO, requires
 from data.sources import DataConfigError
 from trainer.config import ConfigError, LoggerConfig, TrainConfig, WandbConfig, validate
-from trainer.sinks import MetricSinks, WandbOnlineError, check_sink_packages, wandb_destination
+from trainer.sinks import (
+    SET_ASIDE_FILE,
+    MetricSinks,
+    WandbOnlineError,
+    check_sink_packages,
+    set_aside_rows_after,
+    start_wandb,
+    wandb_destination,
+)
 
 
 @requires("wandb", "the wandb sink")
@@ -206,6 +214,41 @@ def test_an_offline_run_says_where_it_went(tmp_path, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@requires("wandb", "the wandb sink")
+@pytest.mark.parametrize("require_online, after", [
+    (False, "the run goes on offline"),
+    (True, "the run stops (logger.wandb.require_online=true)"),
+])
+def test_an_online_start_says_how_long_it_waits_before_it_waits(tmp_path, monkeypatch, caplog, require_online, after):
+    """Before: 61 s of silence without a network, and only then the warning."""
+    import time
+    import types
+
+    import wandb
+
+    said_before_init_returned: list[list[str]] = []
+
+    def init(**kwargs):
+        if kwargs["mode"] == "online":
+            said_before_init_returned.append(list(caplog.messages))
+            time.sleep(0.2)  # the wait for a server that does not answer, shortened
+            raise wandb.errors.CommError(NO_NETWORK)
+        return types.SimpleNamespace(offline=True, settings=types.SimpleNamespace(sync_dir=str(tmp_path / "run")))
+
+    monkeypatch.setattr(wandb, "init", init)
+    caplog.set_level(logging.INFO)
+    cfg = WandbConfig(mode="online", init_timeout_s=42, require_online=require_online)
+    if require_online:
+        with pytest.raises(WandbOnlineError):
+            start_wandb(tmp_path, cfg, "unit", {})
+    else:
+        start_wandb(tmp_path, cfg, "unit", {})
+    line = ("wandb: connecting to wandb's server, waiting up to 42 s (logger.wandb.init_timeout_s); if it does "
+            f"not answer, {after}")
+    assert said_before_init_returned == [[line]]
+    assert caplog.messages.count(line) == 1
+
+
 def test_an_online_run_says_its_url(tmp_path, monkeypatch):
     """Online needs a server; the line is built from what the run reports."""
     import types
@@ -315,3 +358,40 @@ def test_a_missing_datasets_names_data_hf_and_the_embedded_corpus(monkeypatch, h
                                                   r"or drop that set with ~data.eval_sets.wiki$"):
         check_data_packages(wiki)
     check_data_packages(DataConfig())  # the embedded corpus and the bundled prose need no datasets
+
+
+def test_a_resume_sets_aside_the_rows_logged_after_its_checkpoint(tmp_path, caplog):
+    """Before: after a kill -9 and a resume from step 10, steps 11 and 12 twice in metrics.jsonl."""
+    rows = [json.dumps({"step": s, "tokens": 64 * s, "train/loss": 5.0 - 0.1 * s}) + "\n" for s in range(1, 13)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(rows) + '{"step": 13, "tok')  # the row the kill cut short
+    caplog.set_level(logging.INFO)
+
+    assert set_aside_rows_after(tmp_path, 10) == [11, 12]
+    assert metrics.read_text() == "".join(rows[:10])  # the rows kept, byte for byte
+    aside = tmp_path / SET_ASIDE_FILE
+    assert aside.read_text() == rows[10] + rows[11] + '{"step": 13, "tok\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", SET_ASIDE_FILE]  # no temp file left
+    assert caplog.messages == [
+        f"metrics.jsonl: set aside 2 rows (steps 11-12) and 1 torn line that the stopped run logged after the "
+        f"checkpoint of step 10, in {SET_ASIDE_FILE}; this run logs those steps again"]
+
+    # The resumed run appends its own rows: one per step.
+    sinks = MetricSinks(tmp_path, LoggerConfig(tensorboard=False, wandb=WandbConfig(mode="disabled")), "unit", {})
+    for step in (11, 12):
+        sinks.log(step, 64 * step, {"train/loss": 1.0})
+    sinks.close()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+    # A second kill and a resume from step 8: appended to what was set aside before.
+    assert set_aside_rows_after(tmp_path, 8) == [9, 10, 11, 12]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 9))
+    assert aside.read_text().splitlines()[:3] == [rows[10].strip(), rows[11].strip(), '{"step": 13, "tok']
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()[3:]] == [9, 10, 11, 12]
+
+    # Nothing past the checkpoint (a resume from the last step): neither file is touched.
+    before = (metrics.stat().st_mtime_ns, aside.read_bytes())
+    assert set_aside_rows_after(tmp_path, 8) == []
+    assert (metrics.stat().st_mtime_ns, aside.read_bytes()) == before
+    assert set_aside_rows_after(tmp_path / "fresh", 5) == []  # a run dir without metrics yet

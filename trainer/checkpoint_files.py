@@ -143,6 +143,47 @@ def newest_trusted(directory: Path) -> Optional[Path]:
     return next((p for p in checkpoints_in(directory) if p.name not in listed), None)
 
 
+def resolve_checkpoint(path: Path, allow_suspect: bool, allow: str) -> Path:
+    """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names: for a
+    directory, its newest checkpoint that is not suspect (after a divergence stop, `last_good`;
+    with `allow_suspect`, `latest`). A suspect checkpoint named outright is refused unless
+    `allow_suspect`; `allow` names how to ask for it (an option, a config key)."""
+    if path.is_dir() and not is_sharded(path):
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = checkpoints_in(directory)
+        latest = directory / "latest"
+        if allow_suspect and latest.exists() and (directory / latest.read_text().strip()) in found:
+            return directory / latest.read_text().strip()
+        trusted = found[0] if allow_suspect and found else newest_trusted(directory)
+        if trusted is None:
+            raise CheckpointError(
+                f"{path}: no checkpoint found in this directory" if not found else
+                f"{directory}: no checkpoint is known good (all are listed in {SUSPECT_FILE}); "
+                f"use the newest anyway with {allow}")
+        return trusted
+    if not allow_suspect:
+        refuse_suspect(path, allow)
+    return path  # open_checkpoint names a missing one itself
+
+
+def read_saved_run(path: Path) -> dict[str, Any]:
+    """What a checkpoint says of the run that saved it (its `config`, `step`, ...; empty for a
+    single-file checkpoint, whose record is inside its tensors' pickle), after checking that
+    its files are all there. Reads no tensor and hashes nothing, so it is cheap enough to
+    refuse an unusable checkpoint at start-up; `open_checkpoint` verifies the digests."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not path.is_dir():
+        manifest = path.with_suffix(".sha256")
+        if not manifest.exists():
+            raise CheckpointError(f"{path}: its manifest {manifest.name} is missing (incomplete checkpoint)")
+        return {}
+    for name in sorted(_manifest(path)):
+        if not (path / name).exists():
+            raise CheckpointError(f"{path / name}: missing (the manifest lists it)")
+    return _read_sharded_meta(path)
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file, read in chunks: checkpoint files can be larger than memory."""
     digest = hashlib.sha256()
@@ -174,8 +215,8 @@ def rotate(directory: Path, keep: int) -> None:
         set_suspect(directory, old.name, None)
 
 
-def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
-    """Check the manifest and the digests of this rank's share of the files (rank, world)."""
+def _manifest(path: Path) -> dict[str, str]:
+    """A sharded checkpoint's files and their digests, as its manifest lists them."""
     manifest = path / MANIFEST_FILE
     if not (path / META_FILE).exists():
         raise CheckpointError(f"{path}: no {META_FILE} (not a checkpoint, or an incomplete one)")
@@ -185,6 +226,12 @@ def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
     for line in manifest.read_text().splitlines():
         digest, name = line.split(maxsplit=1)
         listed[name] = digest
+    return listed
+
+
+def _verify_sharded(path: Path, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the manifest and the digests of this rank's share of the files (rank, world)."""
+    listed = _manifest(path)
     names = sorted(listed)
     rank, world = share
     for name in names[rank::world]:

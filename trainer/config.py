@@ -38,8 +38,8 @@ class TrainerConfig:
     seq_len: int = 256
     grad_accum: int = 1
     # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast; "auto": bf16
-    # on CUDA (Ampere and newer) and on CPUs with bf16 units (amx_bf16 or avx512_bf16 in the
-    # CPU flags, confirmed by a repeated timing), fp32 elsewhere. The start-up log says which, and why.
+    # on CUDA (Ampere and newer) and on CPUs with AMX bf16 (amx_bf16 in the CPU flags), fp32
+    # elsewhere: a fixed rule (eval/fast_dtype.py). The start-up log says which rule applied.
     precision: str = "auto"
     # Whether fp32 matmuls on CUDA (every matmul under precision=fp32; under bf16 those outside
     # autocast, e.g. fp32 Newton-Schulz) may run on TF32 tensor cores: about 3 decimal digits
@@ -163,7 +163,7 @@ class CheckpointConfig:
     # "auto": continue from the newest checkpoint in this run dir that verifies and is not
     # suspect (after a divergence stop: checkpoints/last_good), if any;
     # "none": always start fresh; or the path of a checkpoint (a step_<N> dir, or an older
-    # single-file step_<N>.pt) to continue from.
+    # single-file step_<N>.pt) to continue from, or of a run dir: its newest good checkpoint.
     resume: str = "auto"
     # Resume from a suspect checkpoint (checkpoints/suspect.json: saved after a non-finite step
     # and before a finite eval, or left unconfirmed by a divergence stop) all the same.

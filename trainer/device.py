@@ -35,13 +35,20 @@ def check_local_gpus(device: str, local_ranks: int, gpus: int) -> None:
         )
 
 
+def check_device(name: str, local_rank: int = 0) -> None:
+    """trainer.device=`name` for this rank and the others of its node, against the GPUs this
+    process sees: DeviceError if they cannot each get one. Creates no CUDA context, so the
+    start-up checks run it before anything is written."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_local_gpus(name, max(local_world_size(), local_rank + 1), gpus)
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """"auto" picks this rank's GPU when CUDA is available, else the CPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        check_local_gpus("cuda", max(local_world_size(), local_rank + 1), gpus)
+        check_device("cuda", local_rank)
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

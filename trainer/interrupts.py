@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import signal
 
-STARTUP_EXIT_CODE = 130
+# 128 + SIGINT: what a shell expects of a command ended by Ctrl-C, during start-up or training
+# (trainer/preemption.py: after the checkpoint).
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 
 _interrupted = False
 
@@ -16,7 +18,7 @@ _interrupted = False
 def _on_sigint_during_start_up(signum, frame) -> None:
     global _interrupted
     _interrupted = True
-    raise SystemExit(STARTUP_EXIT_CODE)
+    raise SystemExit(INTERRUPTED_EXIT_CODE)
 
 
 def install_start_up_handler() -> None:
@@ -33,4 +35,4 @@ def exit_if_interrupted_during_start_up() -> None:
     cannot be lost: Trainer.train checks it before it writes anything, and the preemption
     handler before it takes SIGINT over."""
     if _interrupted:
-        raise SystemExit(STARTUP_EXIT_CODE)
+        raise SystemExit(INTERRUPTED_EXIT_CODE)

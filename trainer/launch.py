@@ -8,6 +8,7 @@ each job starts clean and leaves nothing behind for the next.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
@@ -133,13 +134,38 @@ def resume_command(user_argv: list[str], run_dir: Path, multirun: bool, env: Map
     return shlex.join(["python", "train.py", *args])
 
 
+def launch_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's rank in its launch (torchrun's RANK, a SLURM task's id), 0 alone."""
+    return int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+
+
+def record_launch_error(message: str, failed_at: float, env: Mapping[str, str] = os.environ) -> None:
+    """Hand torchrun the one line this rank stops with, as the root cause of its failure.
+
+    torchrun sets TORCHELASTIC_ERROR_FILE for each rank and, when the rank exits with an error,
+    reads it back: the record of the earliest failure becomes the "Root Cause" of the summary
+    it prints last (otherwise a link to its docs about tracebacks). The layout is the one its
+    @record decorator writes, less the Python call stack, which torchrun would print in place
+    of the message. Every rank that refuses writes it (each says the same), so whichever rank
+    torchrun sees fail first, its summary names the cause. Best effort: nothing is lost but
+    the summary's line. `failed_at` (seconds since the epoch) orders the ranks' records."""
+    path = env.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(failed_at))}}}
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:
+        pass
+
+
 def quiet_nonzero_rank_logging() -> None:
     """Ranks != 0 keep no job log file and log only warnings.
 
     torchrun ranks get this through launch_overrides; SLURM tasks started by the submitit
     launcher never run this file's __main__, so their Hydra job logging is undone here.
     """
-    if os.environ.get("RANK", "0") == "0":
+    if launch_rank() == 0:
         return
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:

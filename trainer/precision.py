@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # trainer.config imports optim, which imports eval.fast_dtype
 
 
 def _agree(choices: list[PrecisionChoice], device: torch.device, mesh: Mesh) -> list[PrecisionChoice]:
-    """Rank 0's choices on every rank: ranks that each timed a CPU matmul may disagree, and
-    a run whose ranks train in different precisions would not be one model."""
+    """Rank 0's choices on every rank: ranks on unlike machines (a GPU without bf16 tensor
+    cores beside one with them, a CPU without AMX beside one with it) may decide differently,
+    and a run whose ranks train in different precisions would not be one model."""
     if mesh.world_size == 1:
         return choices
     flags = torch.tensor([float(c.precision == "bf16") for c in choices], device=device)
@@ -48,12 +49,11 @@ def resolve_run_precisions(
     what was chosen and why (on CUDA also whether fp32 matmuls run in TF32).
 
     `resumed` is the config of the checkpoint this run continues: "auto" keeps what that run
-    chose, so a resume (on another machine, or after a measurement that came out the other
-    way) does not switch precision halfway through.
+    chose, so a resume on another kind of machine does not switch precision halfway through.
     """
     requested = {"training": cfg.trainer.precision}
     before = {"training": (resumed or {}).get("trainer", {}).get("precision")}
-    if cfg.optim.name == "muon":  # AdamW runs no Newton-Schulz: nothing to choose or measure
+    if cfg.optim.name == "muon":  # AdamW runs no Newton-Schulz: nothing to choose
         requested["Newton-Schulz"] = cfg.optim.muon.ns_dtype
         before["Newton-Schulz"] = (resumed or {}).get("optim", {}).get("muon", {}).get("ns_dtype")
     chosen = {}

@@ -78,6 +78,20 @@ def hydra_error_line(err: Exception, overrides: list[str]) -> str:
     text = str(err)
     if isinstance(err, OverrideParseException):
         return f"{_unparsable(overrides) or text.splitlines()[0]}: cannot parse this override ({text.splitlines()[0]})"
+    not_default = re.match(r"Could not override '([^']+)'\. No match in the defaults list", text)
+    if not_default:
+        # `experiment=x`, as other templates spell it: conf/config.yaml does not select an
+        # experiment, so one is added to the defaults list, which takes a plus.
+        group = not_default.group(1)
+        value = _override_value(group, overrides, text)
+        return (f"{group}={value}: {group} is not in config.yaml's defaults list, so it is added, not overridden: "
+                f"write +{group}={value}")
+    ambiguous = re.match(r"Ambiguous value for argument '([^']*)'", text)
+    if ambiguous:
+        # Hydra's three lines of advice, of which the first fits most: a comma list is a sweep.
+        key, _, value = ambiguous.group(1).partition("=")
+        return (f"{key}={value}: a comma-separated value is a sweep: add --multirun (-m) to run one job per value "
+                f"(for a list write {key}=[{value}], for a string quote it: {key}='{value}')")
     if isinstance(err, MissingConfigException):
         missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
         if missing:
@@ -90,10 +104,41 @@ def hydra_error_line(err: Exception, overrides: list[str]) -> str:
     full_key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key:
         prefix, _, key = str(full_key).rpartition(".")
+        if prefix in FAMILY_DICTS:
+            return _family_key_line(prefix, key, _override_value(str(full_key), overrides, text))
         return f"{full_key}: no such key{key_hint(prefix, key)}"
     if isinstance(cause, ValidationError) and full_key:
         return f"{full_key}: {str(cause).splitlines()[0]}"
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__
+
+
+# Config dicts keyed by parameter family, empty by default: a family is added to them with `+`.
+FAMILY_DICTS = ("optim.lr_overrides", "optim.weight_decay_overrides")
+
+
+def _family_key_line(prefix: str, family: str, value: str) -> str:
+    """The one place where Hydra's `+key` advice is right: a family missing from an overrides dict."""
+    from optim.routing import ALL_KINDS
+
+    if family in ALL_KINDS:
+        return (f"{prefix}.{family}: not set yet: {prefix} lists only the families it changes, so add one with a "
+                f"plus: write +{prefix}.{family}={value}")
+    close = nearest(family, sorted(ALL_KINDS))
+    hint = f"did you mean +{prefix}.{close}={value}? " if close else ""
+    return f"{prefix}.{family}: unknown parameter family ({hint}families: {', '.join(sorted(ALL_KINDS))})"
+
+
+def _override_value(key: str, overrides: list[str], text: str) -> str:
+    """The value the command line gave `key`: from Hydra's advice ("use +key=value"), else from
+    the override itself."""
+    advised = re.search(rf"use \+{re.escape(key)}=(\S*)", text)
+    if advised:
+        return advised.group(1)
+    for override in overrides:
+        written, _, value = override.lstrip("+~").partition("=")
+        if written == key:
+            return value
+    return "..."
 
 
 def _unparsable(overrides: list[str]) -> Optional[str]:
@@ -125,21 +170,26 @@ def sweep_jobs(overrides: list[str], sweeper_params: dict[str, str]) -> list[lis
     return [list(job) for job in itertools.islice(itertools.product(*by_key.values()), MAX_SWEEP_JOBS)]
 
 
-def check_config(cfg: DictConfig, world_size: int) -> TrainConfig:
+def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) -> TrainConfig:
     """Every check of a job's config that needs no data, model or network, in one place for the
     preflight and for main(): the values, the layout for `world_size` ranks (the launched
     processes, or parallel.simulate_world in a simulation), the model's fit with it, the data
-    source, the optional packages it switches on, the checkpoint to resume."""
+    source, the optional packages it switches on, this node's devices (unless `devices_here` is
+    False: the job runs on another machine), the checkpoint to resume (a run dir becomes its
+    newest good checkpoint)."""
     from data.sources import check_data_config, check_data_packages
     from model.moe import check_moe_config
     from model.parallelize import check_ep, check_tp_divisibility
     from parallel.mesh import check_layout
+    from trainer.device import check_device
     from trainer.simulate import check_simulation
     from trainer.sinks import check_sink_packages
 
     typed = to_dataclass(cfg)
     validate(typed)
     check_layout(check_simulation(typed, world_size), layout_keys(typed.parallel))
+    if devices_here:
+        check_device(typed.trainer.device)
     check_moe_config(typed.model)
     check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
     check_ep(typed.model, typed.parallel.ep)
@@ -148,7 +198,7 @@ def check_config(cfg: DictConfig, world_size: int) -> TrainConfig:
     # after the corpus is built.
     check_data_packages(typed.data)
     check_sink_packages(typed.logger)
-    check_resume(typed.checkpoint.resume, typed.checkpoint.allow_suspect)
+    typed.checkpoint.resume = check_resume(typed)
     return typed
 
 
@@ -165,19 +215,45 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-def check_resume(resume: str, allow_suspect: bool) -> None:
-    from trainer.checkpoint_files import CheckpointError, refuse_suspect
+# The model keys that set its parameters' shapes (and what they mean): a checkpoint saved with
+# other values does not fit this run's model.
+ARCHITECTURE_KEYS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "qk_norm", "n_experts",
+                     "n_shared_experts", "expert_hidden", "n_dense_layers")
 
+
+def check_resume(cfg: TrainConfig) -> str:
+    """checkpoint.resume as the run reads it: auto, none, or the checkpoint it names. A run dir
+    (or its checkpoints/ dir) names its newest good checkpoint, as scripts/export_hf.py and
+    scripts/generate.py read it. Refused in one line, before Hydra writes the run dir: a path
+    that is not there, a dir without a checkpoint, a checkpoint with files missing, a suspect
+    one (unless checkpoint.allow_suspect), one of the other optimizer or of another model.
+    Its digests are verified later, by the ranks together (trainer/checkpoint.py)."""
+    from trainer.checkpoint_files import CheckpointError, read_saved_run, resolve_checkpoint
+
+    resume = cfg.checkpoint.resume
     if resume in ("auto", "none"):
-        return
+        return resume
     if not Path(resume).exists():
-        raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint (expected auto, none, or the path of a "
-                          "step_<N> dir or step_<N>.pt)")
-    if not allow_suspect:
-        try:
-            refuse_suspect(Path(resume), "checkpoint.allow_suspect=true")
-        except CheckpointError as err:
-            raise ConfigError(f"checkpoint.resume: {err}") from err
+        raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint (expected auto, none, a run dir, or the "
+                          "path of a step_<N> dir or step_<N>.pt)")
+    try:
+        path = resolve_checkpoint(Path(resume), cfg.checkpoint.allow_suspect, "checkpoint.allow_suspect=true")
+        saved = read_saved_run(path).get("config", {})
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.resume: {err}") from err
+    optim = saved.get("optim", {}).get("name")
+    if optim is not None and optim != cfg.optim.name:
+        raise ConfigError(f"checkpoint.resume: {path}: trained with optim={optim}, but this run has "
+                          f"optim={cfg.optim.name}; resume it with optim={optim}, or start fresh with "
+                          "checkpoint.resume=none")
+    model = saved.get("model", {})
+    differing = [f"model.{key} {model[key]} there, {getattr(cfg.model, key)} here" for key in ARCHITECTURE_KEYS
+                 if key in model and model[key] != getattr(cfg.model, key)]
+    if differing:
+        raise ConfigError(f"checkpoint.resume: {path}: a checkpoint of another model ({', '.join(differing)}); "
+                          f"resume it with model={model.get('name')} and its values, or start fresh with "
+                          "checkpoint.resume=none")
+    return str(path)
 
 
 def preflight(argv: list[str], config_dir: str, world_size: int) -> Optional[DictConfig]:
@@ -193,8 +269,10 @@ def preflight(argv: list[str], config_dir: str, world_size: int) -> Optional[Dic
         return cfg
     base = compose([_first_of_sweep(o) for o in line.overrides], config_dir, hydra_node=True)
     params = OmegaConf.to_container(base.hydra.sweeper, resolve=False).get("params") or {}
+    # The submitit launcher runs each job on a SLURM node, whose GPUs its main() checks.
+    devices_here = "submitit" not in str(OmegaConf.select(base, "hydra.launcher._target_", default=""))
     for job in sweep_jobs(line.overrides, {str(k): str(v) for k, v in params.items()}):
-        check_config(compose(job, config_dir), world_size)
+        check_config(compose(job, config_dir), world_size, devices_here)
     return None
 
 

@@ -11,8 +11,8 @@ The holder rewrites it every HEARTBEAT_S seconds (a daemon thread), and removes 
 ends, normally or not. A lock left behind by a killed run is stale, and the next run takes it
 over with a warning:
 
-- on this host, when the holder's pid is gone (or is now another process: the lock keeps the
-  process's start time, since pids are reused);
+- on this host, when the holder's pid is gone, or is now another process (the lock keeps the
+  process's start time, since pids are reused; the warning names the process found instead);
 - on another host, whose pids cannot be asked, when its heartbeat is over STALE_AFTER_S old;
 - under torchrun, when it was left by an earlier attempt of the same launch (torchrun stops
   every worker of an attempt before it starts the next).
@@ -148,20 +148,49 @@ def read_holder(path: Path) -> Holder | None:
                       token=f"unreadable:{mtime!r}:{len(text)}")
 
 
-def _pid_alive(pid: int, pid_start: int | None) -> bool:
+def _tick_time(ticks: int) -> str:
+    """A /proc start time (clock ticks after boot) as local ISO time, for a reader."""
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        seconds = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return f"{ticks} clock ticks after boot"
+    return datetime.fromtimestamp(seconds).astimezone().isoformat(timespec="seconds")
+
+
+# Enough of a command line to recognise the program, short enough for one log line.
+COMMAND_SHOWN_CHARS = 80
+
+
+def _command_line(pid: int) -> str:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        text = " ".join(a.decode(errors="replace") for a in args if a)
+        if not text:  # a kernel thread or a zombie: only its name
+            text = f"[{Path(f'/proc/{pid}/comm').read_text().strip()}]"
+    except OSError:
+        return "command line unreadable"
+    return text if len(text) <= COMMAND_SHOWN_CHARS else text[: COMMAND_SHOWN_CHARS - 3] + "..."
+
+
+def _pid_check(pid: int, pid_start: int | None) -> str | None:
+    """None while the holder's process may still be running; else what was found in its place:
+    no process, or (pids are reused) another process, told apart by its start time."""
     if not isinstance(pid, int) or pid <= 0:
-        return False  # os.kill(0, ...) would ask about this process's own group
+        return "its pid is gone"  # os.kill(0, ...) would ask about this process's own group
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "its pid is gone"
     except PermissionError:
         pass  # another user's process: alive
     if pid_start is not None:
         now = _process_start(pid)
         if now is not None and now != pid_start:
-            return False  # the pid was reused by a later process
-    return True
+            return (f"its pid {pid} is now another process (`{_command_line(pid)}`, started {_tick_time(now)}; "
+                    f"the lock's process started {_tick_time(pid_start)})")
+    return None
 
 
 def _heartbeat_age(holder: Holder, now: float) -> float:
@@ -179,7 +208,7 @@ def stale_reason(holder: Holder, me: Holder, now: float | None = None,
     if holder.host == me.host:
         if holder.boot_id and me.boot_id and holder.boot_id != me.boot_id:
             return "left before this host restarted"
-        return None if _pid_alive(holder.pid, holder.pid_start) else "its pid is gone"
+        return _pid_check(holder.pid, holder.pid_start)
     age = _heartbeat_age(holder, time.time() if now is None else now)
     if age > stale_after_s:
         return f"its heartbeat is {age:.0f} s old (stale after {stale_after_s:.0f} s)"

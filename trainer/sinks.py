@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+from data.atomic import atomic_output
 from data.sources import DataConfigError, require_package
 from trainer.config import LoggerConfig, WandbConfig
 
@@ -65,6 +66,14 @@ def wandb_destination(run: Any) -> str:
     return f"wandb: run {run.url} (local files in {local})"
 
 
+def waiting_line(cfg: WandbConfig) -> str:
+    """What an online start is about to wait for, how long, and what follows a failure."""
+    after = ("the run stops (logger.wandb.require_online=true)" if cfg.require_online
+             else "the run goes on offline")
+    return (f"wandb: connecting to wandb's server, waiting up to {cfg.init_timeout_s:g} s "
+            f"(logger.wandb.init_timeout_s); if it does not answer, {after}")
+
+
 def start_wandb(run_dir: Path, cfg: WandbConfig, name: str, config: dict[str, Any]) -> Any:
     """The wandb run, under <run_dir>/wandb. An online start that fails (no network, a server
     that does not answer within cfg.init_timeout_s, a rejected key) goes on offline, with one
@@ -87,6 +96,9 @@ def start_wandb(run_dir: Path, cfg: WandbConfig, name: str, config: dict[str, An
     if cfg.mode != "online":
         run = init(cfg.mode)
     else:
+        # Said before the wait, not after it: without a network wandb is silent for the whole
+        # init_timeout_s, which looks like a hang.
+        log.info(waiting_line(cfg))
         try:
             run = init("online")
         # wandb.errors.Error: CommError (no network, no answer in init_timeout_s) and its
@@ -104,6 +116,65 @@ def start_wandb(run_dir: Path, cfg: WandbConfig, name: str, config: dict[str, An
             run = init("offline")
     log.info(wandb_destination(run))
     return run
+
+
+METRICS_FILE = "metrics.jsonl"
+# Rows a stopped run logged past the checkpoint a resume went back to: the resumed run logs
+# those steps again, and readers expect one row per step in METRICS_FILE.
+SET_ASIDE_FILE = "metrics.set_aside.jsonl"
+
+
+def _row_step(line: bytes) -> Optional[int]:
+    """The step of one metrics.jsonl line; None for a line that is not a whole row (the torn
+    last line of a run killed while writing it)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def set_aside_rows_after(run_dir: Path, step: int) -> list[int]:
+    """Move the rows of metrics.jsonl past `step` (the resumed checkpoint's), and any torn line,
+    to the end of metrics.set_aside.jsonl; return the steps moved.
+
+    The set-aside file is written first and each file replaced whole (temp file + rename):
+    a crash in between leaves a row in both files, never in neither.
+    """
+    path = run_dir / METRICS_FILE
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    keep: list[bytes] = []
+    aside: list[bytes] = []
+    moved: list[int] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        row_step = _row_step(line)
+        if row_step is not None and row_step <= step:
+            keep.append(line)
+        else:
+            aside.append(line)
+            if row_step is not None:
+                moved.append(row_step)
+    if not aside:
+        return []
+    target = run_dir / SET_ASIDE_FILE
+    earlier = target.read_bytes() if target.exists() else b""
+    # A line cut short by a kill lacks its newline; the next row must not be glued onto it.
+    with atomic_output(target) as f:
+        f.write(earlier + b"".join(line.rstrip(b"\n") + b"\n" for line in aside))
+    with atomic_output(path) as f:
+        f.write(b"".join(line.rstrip(b"\n") + b"\n" for line in keep))
+    torn = len(aside) - len(moved)
+    what = f"{len(moved)} rows (steps {min(moved)}-{max(moved)})" if moved else "no whole row"
+    log.info("%s: set aside %s%s that the stopped run logged after the checkpoint of step %d, in %s; "
+             "this run logs those steps again", METRICS_FILE, what,
+             f" and {torn} torn line{'s' if torn > 1 else ''}" if torn else "", step, SET_ASIDE_FILE)
+    return moved
 
 
 class MetricSinks:
@@ -126,7 +197,7 @@ class MetricSinks:
             # seen (the step stays selectable).
             self.wandb_run.define_metric("tokens")
             self.wandb_run.define_metric("*", step_metric="tokens")
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.jsonl = open(run_dir / METRICS_FILE, "a", encoding="utf-8")
         self.tb = None
         self.tb_session_end = None
         if cfg.tensorboard:
