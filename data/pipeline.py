@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from data.cache import TokenSplit, cached_tokens
 from data.config import DataConfig
 from data.hashing import digest
-from data.sources import CorpusReport, DataConfigError, PinnedSource, Source, check_data_config, eval_source, train_val_sources
+from data.source_checks import check_data_config
+from data.sources import CorpusReport, DataConfigError, PinnedSource, Source, eval_source, train_val_sources
 from data.tokenizer import (
     build_trained,
     load_pretrained,

@@ -26,7 +26,8 @@ from data.manifest import (
     select,
 )
 from data.pipeline import corpus_id, prepare_data
-from data.sources import DataConfigError, PydocTopicsSource, StdlibSource, check_data_config
+from data.source_checks import check_data_config
+from data.sources import DataConfigError, PydocTopicsSource, StdlibSource
 
 REPO = Path(__file__).resolve().parent.parent
 MAKE_MANIFEST = REPO / "scripts" / "make_corpus_manifest.py"

@@ -19,13 +19,13 @@ from data.hashing import hash_fraction, hash_hex
 from data.loader import TrainBatches, eval_batches
 from data.manifest import Manifest
 from data.pipeline import prepare_data
+from data.source_checks import check_data_config
 from data.sources import (
     DataConfigError,
     HashSplit,
     HFSource,
     PydocTopicsSource,
     StdlibSource,
-    check_data_config,
     is_held_out,
     train_val_sources,
 )

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from data.config import DataConfig, EvalSourceConfig
-from data.sources import MissingPackageError, check_data_packages
+from data.source_checks import MissingPackageError, check_data_packages
 from tests.conftest import REPO, requires
 from data.sources import DataConfigError
 from trainer.config import ConfigError, LoggerConfig, TrainConfig, WandbConfig, validate

@@ -177,7 +177,7 @@ def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) ->
     source, the optional packages it switches on, this node's devices (unless `devices_here` is
     False: the job runs on another machine), the checkpoint to resume (a run dir becomes its
     newest good checkpoint)."""
-    from data.sources import check_data_config, check_data_packages
+    from data.source_checks import check_data_config, check_data_packages
     from model.moe import check_moe_config
     from model.parallelize import check_ep, check_tp_divisibility
     from parallel.mesh import check_layout

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from data.atomic import atomic_output
-from data.sources import DataConfigError, require_package
+from data.source_checks import require_package
+from data.sources import DataConfigError
 from trainer.config import LoggerConfig, WandbConfig
 
 log = logging.getLogger("sinks")
