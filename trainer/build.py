@@ -14,7 +14,7 @@ from model.init import InitRule, RankParts, materialize
 from model.moe import moe_layers
 from model.parallelize import parallelize_moe, parallelize_tp
 from parallel.comm import all_gather_object, barrier, world
-from parallel.fsdp import apply_fsdp, fsdp_mesh
+from parallel.fsdp import apply_fsdp, fsdp_mesh, local_rows
 from parallel.mesh import Mesh
 from trainer import device as dev
 from trainer.config import TrainConfig
@@ -78,3 +78,14 @@ def check_same_corpus(corpus_id: str, mesh: Mesh) -> None:
             f"the ranks built different corpora ({named}): their Python standard libraries or tokenizer "
             "libraries differ (see the corpus manifest warnings); give every node the same environment"
         )
+
+
+def model_line(name: str, params: list[torch.Tensor], mesh: Mesh, tokens_per_step: int, corpus_id: str) -> str:
+    """The start-up line: the model's parameters and this rank's share of them (its FSDP2
+    rows, TP slices and EP experts), and the whole layout as the parallel.* keys name it."""
+    total = sum(getattr(p, "logical_numel", p.numel()) for p in params)  # TP/EP: the logical size
+    mine = sum(local_rows(p.detach())[0].numel() for p in params)
+    layout = mesh.layout
+    return (f"model {name}: {total / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this rank; mesh "
+            f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} ep={layout.ep}; "
+            f"{tokens_per_step} tokens per step; corpus {corpus_id}")

@@ -29,7 +29,7 @@ from trainer import device as dev
 from trainer import run_env
 from trainer import simulate
 from trainer.config import TrainConfig
-from parallel.fsdp import local_rows, reshard, sync_gradients
+from parallel.fsdp import reshard, sync_gradients
 from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
 from trainer.resume_checks import corpus_change, schedule_changes
@@ -38,7 +38,7 @@ from trainer.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks, set_aside_rows_after
-from trainer.build import build_model, prepare_data_once
+from trainer.build import build_model, model_line, prepare_data_once
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
 from trainer.skips import SkipCounter
 
@@ -160,22 +160,12 @@ class Trainer:
                 for line in corpus_change(resumed["config"], self.data.corpus_id) + schedule_changes(resumed["config"], cfg):
                     log.warning(line)
             log.info(self.data.startup_line())
-            log.info(self.model_line())
+            log.info(model_line(self.model_cfg.name, self.params, self.mesh, self.tokens_per_step, self.data.corpus_id))
             log.info(
                 "%.1f MFLOP per trained token; peak %.3f TFLOP/s per device (%s)",
                 self.flops_per_token / 1e6, self.peak_flops / 1e12,
                 "trainer.peak_tflops" if t.peak_tflops else f"measured, {t.precision} matmul",
             )
-
-    def model_line(self) -> str:
-        """The start-up line: the model's parameters and this rank's share of them (its FSDP2
-        rows, TP slices and EP experts), and the whole layout as the parallel.* keys name it."""
-        total = sum(getattr(p, "logical_numel", p.numel()) for p in self.params)  # TP/EP: the logical size
-        mine = sum(local_rows(p.detach())[0].numel() for p in self.params)
-        layout = self.mesh.layout
-        return (f"model {self.model_cfg.name}: {total / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this "
-                f"rank; mesh dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} "
-                f"ep={layout.ep}; {self.tokens_per_step} tokens per step; corpus {self.data.corpus_id}")
 
     def resolved_config(self) -> dict:
         """The config as it runs: "auto" precisions resolved, the model's vocabulary set, and
