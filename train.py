@@ -61,8 +61,16 @@ def one_line(err: Exception) -> str:
 SILENT_RANK_EXIT_DELAY_S = 3.0
 
 
+# The line a silent rank would have said: handed to torchrun only as it exits (exit_silently).
+_unsaid_line: str | None = None
+
+
 def exit_silently(code: int) -> None:
     time.sleep(SILENT_RANK_EXIT_DELAY_S)
+    # Recorded now, not when the error was found: torchrun ends the other ranks once the one
+    # that spoke has failed, and a rank it ended must not be listed with the error's line too.
+    if _unsaid_line is not None:
+        record_launch_error(_unsaid_line, time.time())
     sys.exit(code)
 
 
@@ -80,10 +88,12 @@ def print_error(message: str, per_node: bool = False) -> bool:
         speaks = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0"
     else:
         speaks = launch_rank() == 0
-    # A silent rank fails when it exits, after the delay: the rank that prints is the first.
-    record_launch_error(line, time.time() + (0.0 if speaks else SILENT_RANK_EXIT_DELAY_S))
     if speaks:
+        record_launch_error(line, time.time())
         print(line, file=sys.stderr)
+    else:  # it fails when it exits, after the delay (exit_silently): the rank that prints is first
+        global _unsaid_line
+        _unsaid_line = line
     return speaks
 
 

@@ -253,7 +253,8 @@ def test_torchrun_config_errors_are_one_line_from_rank_0(tmp_path, bad):
 @pytest.mark.slow
 def test_torchrun_hydra_composition_errors_come_once(tmp_path):
     """A misspelled key fails in the preflight, before Hydra runs: rank 0 says it alone, in one
-    line (the other ranks find the same failure and exit quietly)."""
+    line (the other ranks find the same failure and exit quietly), and torchrun's summary names
+    that line once, as the root cause, not again for the rank it ended."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "train.py", f"hydra.run.dir={tmp_path}", "trainer.max_stepz=5"],
@@ -261,4 +262,7 @@ def test_torchrun_hydra_composition_errors_come_once(tmp_path):
     )
     assert proc.returncode != 0
     said = "error: trainer.max_stepz: no such key (did you mean trainer.max_steps?)"
-    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(said) == 1, proc.stderr[-3000:]  # rank 0's own line
+    summary = proc.stderr.split("Root Cause")
+    assert len(summary) == 2 and summary[1].count(said) == 1, proc.stderr[-3000:]
+    assert proc.stderr.count(said) == 2, proc.stderr[-3000:]
