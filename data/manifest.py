@@ -17,6 +17,7 @@ paragraph with the blank lines after it. `scripts/make_corpus_manifest.py` write
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import re
@@ -111,6 +112,15 @@ class Selection:
 
 def select(doc_id: str, text: Optional[str], keys: list[str], split: Splitter) -> Selection:
     """The chunks of `text` named by `keys`, in the manifest's order; `text` None: a missing file."""
+    return _select(doc_id, text, tuple(keys), split)
+
+
+# Keyed by the text itself, so a document read again is cut again only if its text changed:
+# every Trainer reads the corpus files (a fresh read is what keeps the corpus honest), but
+# cutting and hashing them is most of a start-up's half second, and a process builds its
+# Trainer more than once (every job of a sweep, every rank-call of the test suite).
+@functools.lru_cache(maxsize=4096)
+def _select(doc_id: str, text: Optional[str], keys: tuple[str, ...], split: Splitter) -> Selection:
     by_key: dict[str, str] = {}
     left: Counter[str] = Counter()
     for chunk in split(text) if text is not None else []:

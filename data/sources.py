@@ -172,16 +172,21 @@ class PinnedSource:
         return (f": {found} of the {len(self.selections)} documents the corpus manifest pins were found under "
                 f"{getattr(self, 'root', '?')}; point data.stdlib_root at a CPython 3.10-3.13 standard library")
 
+    @cached_property
+    def content_digest(self) -> str:
+        """sha256 of the built text, as the manifest records a whole corpus's."""
+        return stream_digest(self.documents())
+
     def fingerprint(self) -> dict[str, Any]:
         # The text itself: it is built anyway, and a hash of it cannot go stale.
-        return {"kind": self.kind, "content": stream_digest(self.documents())}
+        return {"kind": self.kind, "content": self.content_digest}
 
     def report(self) -> CorpusReport:
         part = self.part()
         missing = {s.doc_id: s.missing for s in self.selections if s.missing}
         limited = len(self.selections) < len(part.documents)
         # Read whole, the text must be the manifest's to the byte; a prefix has no recorded hash.
-        pinned = not missing and (limited or stream_digest(self.documents()) == part.sha256)
+        pinned = not missing and (limited or self.content_digest == part.sha256)
         chunks = sum(len(part.documents[s.doc_id]) for s in self.selections)
         return CorpusReport(self.kind, len(self.selections), chunks, missing, limited, pinned)
 

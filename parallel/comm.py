@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+import weakref
 from collections import defaultdict
 from typing import ContextManager, Optional
 
@@ -38,17 +39,19 @@ import torch.distributed as dist
 
 Group = Optional[dist.ProcessGroup]
 
-_labels: dict[int, str] = {}
+# Held weakly, by the group itself: keyed by id(), a group freed with its mesh (the next job of
+# a sweep, the next test on a reused rank) could leave its label to a new group at its address.
+_labels: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 
 
 def label_group(group: Group, label: str) -> None:
     """Name a process group ("dp", "tp") for the counters."""
     if group is not None:
-        _labels[id(group)] = label
+        _labels[group] = label
 
 
 def group_label(group: Group) -> str:
-    return _labels.get(id(group), "world")
+    return "world" if group is None else _labels.get(group, "world")
 
 
 _NO_REGION = contextlib.nullcontext()

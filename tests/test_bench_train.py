@@ -3,15 +3,13 @@ that is not a whole number of micro-batches, both arms accumulating alike, and t
 tokens/step, ratio and Muon / AdamW columns at a toy size (no timing is asserted)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from scripts.bench_train import grad_accum_for, parse_args
 from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer
-from tests.conftest import REPO
+from tests.prestarted import run_python
 
 
 def test_grad_accum_is_the_target_over_one_micro_batch():
@@ -57,11 +55,11 @@ def test_the_reference_accumulates_its_micro_batches_before_one_optimizer_step()
 def test_the_table_shows_each_target_with_its_ratios():
     """A toy run: every row carries its target tokens/step, ours its ratio to the reference at
     the same target, and the Muon / AdamW table one row per target."""
-    out = subprocess.run(
-        [sys.executable, "scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
+    out = run_python(
+        ["scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
          "--optims", "adamw", "muon", "--rounds", "1", "--warmup", "0", "--batch-size", "2", "--seq-len", "16",
          "--tokens-per-step", "32", "128", "--peak-size", "64", "--peak-repeats", "1", "--device", "cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=True,
+        timeout=600, check=True,
     ).stdout
     assert "tokens per optimizer step: 32 (1 micro-batch), 128 (4 micro-batches)" in out
     tables, lines = [], out.splitlines()

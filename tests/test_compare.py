@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from eval.compare import (
     best_per_optimizer, ewm, find_runs, first_reach, in_run_ratio, leading_steps, load_run, schedule_ratio,
 )
-from tests.conftest import REPO
+from tests.prestarted import run_python
 
 
 def test_leading_steps_recover_a_known_twofold_speedup():
@@ -131,9 +130,8 @@ def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
 def test_cli_writes_plots_and_the_summary_ratio(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [10.0 / s for s in range(1, 51)])
     write_run(tmp_path / "adamw", "adamw", 1e-3, [20.0 / s for s in range(1, 101)])
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "adamw"),
-                           str(tmp_path / "muon"), "--out", str(tmp_path / "cmp"), "--alpha", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/compare_runs.py", str(tmp_path / "adamw"), str(tmp_path / "muon"),
+                       "--out", str(tmp_path / "cmp"), "--alpha", "1"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "cmp" / "losses.png").stat().st_size > 1000
     assert (tmp_path / "cmp" / "leading_steps.png").stat().st_size > 1000
@@ -182,9 +180,8 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
         f.write(json.dumps({"step": 40, "optim/update_rms/mlp_in": 0.2, "model/output_rms/final": 1.0,
                             "moe/load_imbalance/layer_1": 1.3, "moe/bias_spread/layer_1": 0.02,
                             "optim/qk_clip/max_logit": 40.0, "optim/qk_clip/heads_clipped": 2}) + "\n")
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "sweep"),
-                           "--longer", str(tmp_path / "longer"), "--out", str(tmp_path / "cmp")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/compare_runs.py", str(tmp_path / "sweep"), "--longer", str(tmp_path / "longer"),
+                       "--out", str(tmp_path / "cmp")], timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     # the sweep table: every run, final val (loss + 0.1) and OOD (loss + 1) losses, best marked
@@ -249,16 +246,14 @@ def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0])
     write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5])
     write_run(tmp_path / "wrong", "muon", 1e-3, [3.0, 2.5, 2.0])
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(tmp_path / "muon"), str(tmp_path / "adamw"),
-                           "--longer", str(tmp_path / "wrong"), "--out", str(tmp_path / "cmp")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/compare_runs.py", str(tmp_path / "muon"), str(tmp_path / "adamw"),
+                       "--longer", str(tmp_path / "wrong"), "--out", str(tmp_path / "cmp")], timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --longer run") and "adamw" in proc.stderr
 
 
 def compare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/compare_runs.py", *args, "--out", str(tmp_path / "cmp")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return run_python(["scripts/compare_runs.py", *args, "--out", str(tmp_path / "cmp")], timeout=120)
 
 
 def test_cli_refuses_runs_on_different_corpora_in_one_line(tmp_path):

@@ -11,6 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from tests.conftest import REPO, compose, requires
+from tests.prestarted import run_python
 from trainer.config import ConfigError, TrainConfig, to_dataclass, validate
 
 
@@ -111,10 +112,7 @@ def test_validate_names_the_offending_key(overrides, key):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args, "logger.wandb.mode=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    return run_python(["train.py", *args, "logger.wandb.mode=disabled"], timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -155,11 +153,8 @@ def test_bad_values_fail_in_one_line_before_any_data_work(tmp_path, bad, line):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
     env["HOME"] = str(tmp_path)  # no ~/.netrc with wandb credentials
     cache = tmp_path / "cache"
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "optim=muon", bad,
-         f"data.cache_dir={cache}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
-    )
+    proc = run_python(["train.py", f"hydra.run.dir={tmp_path / 'run'}", "optim=muon", bad, f"data.cache_dir={cache}"],
+                      env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
@@ -188,7 +183,7 @@ def test_help_names_every_preset_the_most_changed_keys_and_the_readme():
     the whole config: it must not fall behind the presets in conf/ or the defaults."""
     import re
 
-    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["train.py", "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     page = proc.stdout
     assert "README.md" in page and len(page.splitlines()) < 40

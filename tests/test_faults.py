@@ -19,6 +19,7 @@ from data.config import DataConfig
 from data.pipeline import prepare_data
 from data.sources import DataConfigError, HFSource, is_held_out
 from tests.conftest import REPO
+from tests.prestarted import Started, run_python, start_python
 from tests.test_checkpoint import COMMON, make_trainer
 from trainer import checkpoint, checkpoint_files
 from trainer.loop import NonFiniteLoss
@@ -97,13 +98,10 @@ def test_nonfinite_stop_between_logging_steps_stops_at_the_next_sync_point(tmp_p
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
-def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+def launch(run_dir: Path, *extra: str) -> Started:
     args = [a for a in COMMON if not a.startswith(("trainer.max_steps", "checkpoint.interval"))]
-    return subprocess.Popen(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *args, "trainer.batch_size=2",
-         "trainer.max_steps=16", "checkpoint.interval=3", *extra],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    return start_python(["train.py", f"hydra.run.dir={run_dir}", *args, "trainer.batch_size=2",
+                         "trainer.max_steps=16", "checkpoint.interval=3", *extra])
 
 
 def final_losses(run_dir: Path) -> dict[int, float]:
@@ -116,7 +114,7 @@ def final_losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
+def wait_for_step(run_dir: Path, proc: subprocess.Popen | Started, step: int) -> None:
     deadline = time.time() + 300
     while time.time() < deadline:
         path = run_dir / "metrics.jsonl"
@@ -208,8 +206,7 @@ def cli(run_dir: Path, *extra: str, timeout: int = 600, **popen) -> subprocess.C
     """train.py on COMMON, `extra` replacing any COMMON value of the same key."""
     keys = {e.split("=", 1)[0] for e in extra}
     args = [a for a in COMMON if a.split("=", 1)[0] not in keys]
-    return subprocess.run([sys.executable, "train.py", f"hydra.run.dir={run_dir}", *args, *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout, **popen)
+    return run_python(["train.py", f"hydra.run.dir={run_dir}", *args, *extra], timeout=timeout, **popen)
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from scripts import export_hf
-from tests.conftest import REPO
+from tests.prestarted import run_python
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import cli, error_line, poison_step
 from trainer import checkpoint_files
@@ -81,9 +80,8 @@ def hf_logits_are_finite(out: Path) -> bool:
 
 
 def generate(source: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/generate.py", str(source), "--prompt", "def ",
-                           "--max-new-tokens", "8", "--device", "cpu", *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_python(["scripts/generate.py", str(source), "--prompt", "def ", "--max-new-tokens", "8",
+                       "--device", "cpu", *flags], timeout=300)
 
 
 def test_resume_export_and_generate_after_a_divergence_take_the_last_good_checkpoint(tmp_path):

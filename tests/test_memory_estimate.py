@@ -7,16 +7,14 @@ started before the first test so that it runs beside the two-rank gloo check."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from eval.memory_plan import Dtypes, activation_memory, planned_memory, preset_config
 from parallel.mesh import Layout
-from tests.conftest import REPO
 from tests.distributed import run_distributed
+from tests.prestarted import start_python
 
 # 1 x 4096 tokens a rank (one sequence of the presets' 4k context, the micro-batch a long-context
 # run keeps on a GPU), bf16, Muon; each layout with checkpointing none and full.
@@ -45,10 +43,9 @@ print(json.dumps([estimate_memory(EstimateSpec(**spec)).to_dict() for spec in js
 @pytest.fixture(scope="module", autouse=True)
 def estimates():
     """Every row's estimate, in the order of SCALE_ROWS + FORMULA_ROWS + REAL_ROWS, from one
-    subprocess started before the module's first test."""
+    process (forked from one that has imported torch) started before the module's first test."""
     rows = SCALE_ROWS + FORMULA_ROWS + REAL_ROWS
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, json.dumps(rows)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_python(["-c", PROGRAM, json.dumps(rows)])
     box: list[list[dict]] = []
 
     def result() -> list[dict]:

@@ -2,15 +2,12 @@
 collectives outside the step's arithmetic going through the counted layer."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from parallel.mesh import MESH_DIMS, Layout, resolve_layout
-from tests.conftest import REPO
 from tests.distributed import run_distributed
+from tests.prestarted import run_python
 
 
 @pytest.mark.parametrize("world, keys, layout", [
@@ -64,11 +61,8 @@ def test_a_layout_that_does_not_fit_is_one_line_naming_the_keys(world, keys, lin
                         "parallel.dp_shard on a single process (started without torchrun))"),
 ])
 def test_train_py_stops_a_bad_layout_at_start_up(tmp_path, args, line):
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
-         "logger.wandb.mode=disabled", "trainer.device=cpu", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_python(["train.py", f"hydra.run.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+                       "logger.wandb.mode=disabled", "trainer.device=cpu", *args], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [line]
     assert not (tmp_path / "cache").exists()  # before any data work
@@ -150,3 +144,27 @@ def test_expert_parallel_groups_are_consecutive_data_parallel_ranks():
         assert r["ep_rank"] == dp_rank % 2
         assert r["labels"] == ("ep", "edp")
         assert r["describe"] == "dp_replicate 4 x dp_shard 1 x tp 2, ep 2 over the data-parallel ranks"
+
+
+def _label_worker(rank: int, world_size: int) -> tuple[str, str, int]:
+    import gc
+
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    group = dist.new_group(list(range(world_size)))
+    comm.label_group(group, "tp")
+    said = comm.group_label(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    fresh = dist.new_group(list(range(world_size)))
+    return said, comm.group_label(fresh), len(comm._labels)
+
+
+def test_a_freed_group_takes_its_label_with_it():
+    """Labels were keyed by id(group): a group made after another was freed could sit at its
+    address and be counted under its label (a reused rank counted a world all-to-all as "tp")."""
+    said, fresh, left = run_distributed(_label_worker, 2)[0]
+    assert (said, fresh, left) == ("tp", "world", 0)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import launch
 from tests.conftest import REPO, compose, requires
+from tests.prestarted import run_python
 from trainer.config import to_dataclass, validate
 
 TINY = [
@@ -33,10 +34,11 @@ def run_train(args: list[str], cwd: Path = REPO, launcher: list[str] | None = No
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
-    return subprocess.run(
-        [sys.executable, *(launcher or []), str(REPO / "train.py"), *args],
-        cwd=cwd, capture_output=True, text=True, timeout=900, env={**env, "WANDB_MODE": "disabled"},
-    )
+    env["WANDB_MODE"] = "disabled"
+    if launcher:  # torchrun's own process tree: a fresh interpreter
+        return subprocess.run([sys.executable, *launcher, str(REPO / "train.py"), *args],
+                              cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
+    return run_python([str(REPO / "train.py"), *args], cwd=cwd, env=env, timeout=900)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from eval import trace_stats as ts
-from tests.conftest import REPO, compose
+from tests.conftest import compose
+from tests.prestarted import run_python
 from tests.distributed import run_distributed
 from trainer.config import ConfigError, to_dataclass, validate
 
@@ -82,10 +81,7 @@ def test_dp2_tp2_trace_reports_compute_and_communication_on_every_rank(dp2_run):
 
 
 def test_analyze_trace_script_compares_two_runs(dp2_run):
-    proc = subprocess.run(
-        [sys.executable, "scripts/analyze_trace.py", str(dp2_run), str(dp2_run / "traces")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_python(["scripts/analyze_trace.py", str(dp2_run), str(dp2_run / "traces")], timeout=120)
     assert proc.returncode == 0, proc.stderr
     print(proc.stdout)  # the report, for reading with pytest -s
     assert "ratio B/A 1.000" in proc.stdout  # a run against itself
@@ -190,11 +186,8 @@ def test_profile_window_after_the_last_step_is_an_error():
 
 @pytest.mark.slow  # a whole CLI start; the in-process test above checks the message
 def test_cli_bad_profile_steps_fails_in_one_line():
-    proc = subprocess.run(
-        [sys.executable, "train.py", "profile.enabled=true", "profile.steps=[5,2]",
-         "logger.wandb.mode=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    proc = run_python(["train.py", "profile.enabled=true", "profile.steps=[5,2]", "logger.wandb.mode=disabled"],
+                      timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "profile.steps" in errors[0], proc.stderr

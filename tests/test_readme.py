@@ -13,12 +13,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.prestarted import run_python
 
 README = REPO / "README.md"
 README_MAX_CHARS = 12_000  # a first-hour page; the reference material lives in docs/
@@ -203,8 +202,7 @@ def test_every_train_command_in_the_docs_composes(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in
            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAIN_RUN_ID")}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(argv_file), str(result_file)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(["-c", DRIVER, str(argv_file), str(result_file)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(result_file.read_text())
     failed = [f"{c.where}: {c.text}\n  ran: train.py {shlex.join(c.argv)}\n  exit {r['code']}: {r['stderr'].strip()}"

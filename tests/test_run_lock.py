@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.prestarted import Started, run_python, start_python
 from tests.test_faults import wait_for_step
 from trainer import run_lock
 from trainer.run_lock import LOCK_NAME, RunLock, RunLocked, claim, held, planned_run_dir, read_holder
@@ -267,13 +268,15 @@ def train_cmd(run_dir: Path, *extra: str, torchrun: bool = False) -> list[str]:
 
 
 def train(run_dir: Path, *extra: str, torchrun: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(run_dir, *extra, torchrun=torchrun), cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if torchrun:  # torchrun's own process tree: a fresh interpreter
+        return subprocess.run(train_cmd(run_dir, *extra, torchrun=True), cwd=REPO, capture_output=True,
+                              text=True, timeout=600, env=env)
+    return run_python(train_cmd(run_dir, *extra)[1:], env=env, timeout=600)
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(train_cmd(run_dir, *extra), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def start(run_dir: Path, *extra: str) -> Started:
+    return start_python(train_cmd(run_dir, *extra)[1:], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def logged(run_dir: Path) -> list[dict]:
@@ -333,11 +336,8 @@ def test_ctrl_c_releases_the_lock(tmp_path):
 
 def test_a_job_of_a_sweep_is_refused_on_its_own_dir_and_the_others_release_theirs(tmp_path):
     holder = hold_by_hand(tmp_path / "1_optim=adamw")
-    proc = subprocess.run(
-        [sys.executable, "train.py", "-m", "optim=muon,adamw", f"hydra.sweep.dir={tmp_path}", *TINY,
-         "trainer.max_steps=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_python(["train.py", "-m", "optim=muon,adamw", f"hydra.sweep.dir={tmp_path}", *TINY,
+                       "trainer.max_steps=2"], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 2
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert errors == [refusal_line(tmp_path / "1_optim=adamw", holder)], proc.stderr[-3000:]

@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import gzip
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from eval.compare import find_runs, load_run
 from eval.run_records import RecordError, plan_records, record_runs
-from tests.conftest import REPO
+from tests.prestarted import run_python
 from tests.test_compare import write_run
 
 
@@ -33,9 +31,8 @@ def write_protocol(root: Path) -> None:
 
 def summary(tmp_path: Path, root: Path, name: str) -> str:
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "scripts/compare_runs.py", str(root / "muon"), str(root / "adamw"),
-                           "--longer", str(root / "longer"), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/compare_runs.py", str(root / "muon"), str(root / "adamw"),
+                       "--longer", str(root / "longer"), "--out", str(out)], timeout=120)
     assert proc.returncode == 0, proc.stderr
     return (out / "summary.md").read_text().replace(str(root), "ROOT")
 
@@ -117,9 +114,8 @@ def test_cli_refuses_in_one_line(tmp_path):
     write_run(tmp_path / "runs" / "going", "adamw", 1e-3, curve(1.0, 5))
     config = tmp_path / "runs" / "going" / ".hydra" / "config.yaml"
     config.write_text(config.read_text() + "trainer:\n  max_steps: 9\n")
-    proc = subprocess.run([sys.executable, "scripts/record_runs.py", str(tmp_path / "runs"),
-                           "--into", str(tmp_path / "records")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["scripts/record_runs.py", str(tmp_path / "runs"), "--into", str(tmp_path / "records")],
+                      timeout=120)
     assert proc.returncode != 0 and not (tmp_path / "records").exists()
     assert proc.stderr.strip().splitlines() == [
         f"error: not recorded, unfinished: {tmp_path / 'runs' / 'going'} logged up to step 5 of its 9"]

@@ -3,8 +3,6 @@ collective times against hand-computed cases, its activation count against autog
 memory at scale against the FakeTensor estimate: tests/test_memory_estimate.py."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from eval.memory_plan import activation_bytes_per_token, planned_memory
 from eval.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
 from model.gpt import GPT
 from scripts.bench_comm import measure, model_config
-from tests.conftest import REPO
+from tests.prestarted import run_python
 from tests.test_model import tiny
 
 LINK = Link(bandwidth=100e9, latency=5e-6)
@@ -147,10 +145,10 @@ def test_a_missing_hardware_profile_names_the_file_and_the_known_ones(tmp_path):
 
 
 def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "scripts/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
+    proc = run_python(
+        ["scripts/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
          "--seq-len", "1024", "--gpus", "8", "64", "--out", str(tmp_path), "--all"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     plan = (tmp_path / "plan.md").read_text()
@@ -160,8 +158,7 @@ def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 5000
     assert "| 64 | muon-ours |" in proc.stdout  # the fastest layout per design
     assert "| 64 | 16 x 4 | adamw-zero1 |" in proc.stdout  # --all: every row
-    bad = subprocess.run([sys.executable, "scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    bad = run_python(["scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)], timeout=120)
     assert bad.returncode != 0 and "dmodel=5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 

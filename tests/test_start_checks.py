@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, compose
+from tests.prestarted import run_python
 from trainer.config import ParallelConfig, to_dataclass
 from trainer.launch import resume_command
 from trainer.preflight import check_config, config_warnings, preflight
@@ -98,20 +99,12 @@ BAD_INPUTS = [
 ]
 
 
-# Two in the default suite (a Hydra error, one of ours); each case is a process of its own, so
-# the rest run with the slow tests.
-DEFAULT_SUITE = {"trainer.max_stepz=3", "checkpoint.resume=/nonexistent"}
-
-
-@pytest.mark.parametrize("bad, said", [
-    pytest.param(bad, said, id=" ".join(bad), marks=() if " ".join(bad) in DEFAULT_SUITE else pytest.mark.slow)
-    for bad, said in BAD_INPUTS])
+# Each case is a command of its own, forked from a process that has imported the project
+# (tests/prestarted.py): a few tenths of a second, not the seconds of a fresh interpreter.
+@pytest.mark.parametrize("bad, said", [pytest.param(bad, said, id=" ".join(bad)) for bad, said in BAD_INPUTS])
 def test_a_bad_input_is_one_line_with_exit_2_and_nothing_written(tmp_path, bad, said):
-    proc = subprocess.run(
-        [sys.executable, "train.py", *bad, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_python(["train.py", *bad, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                       f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [said]
     assert proc.stdout == ""
@@ -128,8 +121,8 @@ def test_a_bad_input_is_one_line_with_exit_2_and_nothing_written(tmp_path, bad, 
                                               "router)"),
 ])
 def test_hydra_advice_keeps_its_fix_in_the_one_line(typed, said):
-    """In process, for every case (the BAD_INPUTS rows check exit code 2 end to end, with the
-    slow tests); the spelling each line advises composes."""
+    """In process, for every case (the BAD_INPUTS rows check exit code 2 end to end); the
+    spelling each line advises composes."""
     from trainer.config import ConfigError, register_configs
     from trainer.preflight import compose as preflight_compose
 
@@ -222,27 +215,24 @@ def other_model(given: Path) -> tuple[str, str]:
 
 @pytest.mark.parametrize("given", [
     pytest.param(incomplete, id="incomplete"),
-    pytest.param(empty_dir, id="a dir without checkpoints", marks=pytest.mark.slow),
-    pytest.param(all_suspect, id="a run dir whose checkpoints are all suspect", marks=pytest.mark.slow),
-    pytest.param(other_optimizer, id="the other optimizer", marks=pytest.mark.slow),
-    pytest.param(other_model, id="another model", marks=pytest.mark.slow),
+    pytest.param(empty_dir, id="a dir without checkpoints"),
+    pytest.param(all_suspect, id="a run dir whose checkpoints are all suspect"),
+    pytest.param(other_optimizer, id="the other optimizer"),
+    pytest.param(other_model, id="another model"),
 ])
 def test_a_resume_that_cannot_work_is_refused_before_anything_is_written(tmp_path, given):
     """Before: .hydra/ and train.log were written into the run dir, then the refusal."""
     resume, said = given(tmp_path / "given")
     outputs = tmp_path / "outputs"
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"checkpoint.resume={resume}", f"hydra.run.dir={outputs / 'run'}",
-         f"data.cache_dir={outputs / 'cache'}", "logger.wandb.mode=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
+    proc = run_python(["train.py", f"checkpoint.resume={resume}", f"hydra.run.dir={outputs / 'run'}",
+                       f"data.cache_dir={outputs / 'cache'}", "logger.wandb.mode=disabled"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"error: checkpoint.resume: {said}"]
     assert not outputs.exists()
 
 
 def test_the_start_up_checks_refuse_cuda_where_there_is_none(monkeypatch):
-    """What the preflight runs before Hydra (the process-level check below is in the slow suite)."""
+    """What the preflight runs before Hydra (the process-level check is the test below)."""
     import torch
 
     from trainer.device import DeviceError
@@ -258,13 +248,10 @@ def test_the_start_up_checks_refuse_cuda_where_there_is_none(monkeypatch):
     assert preflight(sweep + ["hydra/launcher=slurm"], str(REPO / "conf"), 1) is None
 
 
-@pytest.mark.slow
 def test_cuda_asked_where_there_is_none_is_refused_before_anything_is_written(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "train.py", "trainer.device=cuda", f"hydra.run.dir={tmp_path / 'run'}",
-         f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
+    proc = run_python(["train.py", "trainer.device=cuda", f"hydra.run.dir={tmp_path / 'run'}",
+                       f"data.cache_dir={tmp_path / 'cache'}", "logger.wandb.mode=disabled"],
+                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "error: trainer.device=cuda but no CUDA device is visible; run on the CPU with trainer.device=cpu"]
@@ -298,8 +285,7 @@ def test_a_run_dir_resumes_from_its_newest_good_checkpoint_as_export_reads_it(tm
 
 def test_help_names_every_parallel_key_with_its_default():
     defaults = yaml.safe_load((REPO / "conf" / "parallel" / "default.yaml").read_text())
-    proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(["train.py", "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = {key: str(value).lower() if isinstance(value, bool) else str(value) for key, value in defaults.items()}
     assert [f"parallel.{k}={v}" for k, v in shown.items() if f"parallel.{k}={v}" not in proc.stdout] == []

@@ -106,16 +106,13 @@ def test_optimizer_ops_do_not_grow_with_depth(name, experts):
 def test_bench_train_census_prints_the_counts_per_row():
     """The benchmark behind `make bench-gpu`, at a toy size on CPU: every row of ours and the
     reference carries its op count and zero host syncs, so the GPU command is ready to run."""
-    import subprocess
-    import sys
+    from tests.prestarted import run_python
 
-    from tests.conftest import REPO
-
-    out = subprocess.run(
-        [sys.executable, "scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
+    out = run_python(
+        ["scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
          "--precisions", "fp32", "--optims", "adamw", "muon", "--census", "--rounds", "1", "--warmup", "1",
          "--batch-size", "2", "--seq-len", "32", "--peak-size", "128", "--peak-repeats", "1", "--device", "cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=True,
+        timeout=600, check=True,
     ).stdout
     header = next(line for line in out.splitlines() if line.startswith("| model | impl |"))
     columns = [c.strip() for c in header.strip("|").split("|")]

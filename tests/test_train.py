@@ -3,20 +3,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
+from tests.prestarted import run_python
 
 
 def train(run_dir: Path, *overrides: str) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "train.py", f"hydra.run.dir={run_dir}", "logger.wandb.mode=disabled", "trainer.device=cpu",
-         *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
+    proc = run_python(["train.py", f"hydra.run.dir={run_dir}", "logger.wandb.mode=disabled", "trainer.device=cpu",
+                       *overrides], timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
