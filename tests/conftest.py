@@ -66,6 +66,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A test module's long, independent work (a `start_beside_the_suite` function) starts now,
+    to run beside the tests collected before it: serially, the suite leaves part of two cores
+    idle (pytest's process waiting on gloo ranks and commands)."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: its tests are not known yet
+        return
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    for module in sorted(modules, key=lambda m: m.__name__):
+        start = getattr(module, "start_beside_the_suite", None)
+        if start is not None:
+            start()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     if config.stash[CUDA_HIDDEN]:
         return "CUDA hidden (CUDA_VISIBLE_DEVICES=''): the -m expression selects no gpu test"

@@ -3,7 +3,7 @@ the real model and optimizer of one rank of gpt_1b, gpt_8b and moe_16b layouts, 
 memory, against the planner's formulas; and the estimate itself against a real gpt_tiny's tensors.
 
 Every estimate of the module runs in one subprocess (fake process groups are global state),
-started before the first test so that it runs beside the two-rank gloo check."""
+started when the session's collection ends, so that it runs beside the tests before these."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import torch
 from eval.memory_plan import Dtypes, activation_memory, planned_memory, preset_config
 from parallel.mesh import Layout
 from tests.distributed import run_distributed
-from tests.prestarted import start_python
+from tests.prestarted import Started, start_python
 
 # 1 x 4096 tokens a rank (one sequence of the presets' 4k context, the micro-batch a long-context
 # run keeps on a GPU), bf16, Muon; each layout with checkpointing none and full.
@@ -40,12 +40,23 @@ print(json.dumps([estimate_memory(EstimateSpec(**spec)).to_dict() for spec in js
 """
 
 
+_started: Started | None = None
+
+
+def start_beside_the_suite() -> None:
+    """Every row's estimate, in the order of SCALE_ROWS + FORMULA_ROWS + REAL_ROWS, in one
+    process (forked from one that has imported torch), started as the session's collection
+    ends (tests/conftest.py): a minute of CPU that runs beside the tests before this module's,
+    which leave part of the two cores idle, instead of holding up this module."""
+    global _started
+    if _started is None:
+        _started = start_python(["-c", PROGRAM, json.dumps(SCALE_ROWS + FORMULA_ROWS + REAL_ROWS)])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def estimates():
-    """Every row's estimate, in the order of SCALE_ROWS + FORMULA_ROWS + REAL_ROWS, from one
-    process (forked from one that has imported torch) started before the module's first test."""
-    rows = SCALE_ROWS + FORMULA_ROWS + REAL_ROWS
-    proc = start_python(["-c", PROGRAM, json.dumps(rows)])
+    start_beside_the_suite()  # already started, unless this module was collected some other way
+    proc = _started
     box: list[list[dict]] = []
 
     def result() -> list[dict]:
