@@ -42,6 +42,9 @@ IMPORT_TIME_PREFIXES = (
     "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS",
 )
 MAX_SERVERS = 3
+# The server watches its children through pidfds (Linux 5.3+); elsewhere commands run as plain
+# subprocesses.
+FORK_SERVES = sys.platform == "linux" and hasattr(os, "pidfd_open")
 
 
 def _import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -319,7 +322,10 @@ def _server_for(env: dict[str, str], *, first_time_too: bool = False) -> _Server
     """The server whose imports saw this environment's import-time variables. It is started
     the second time an environment is asked for (a one-off, such as a test's own cache
     variable, runs as a plain subprocess instead), or the first where `first_time_too`.
-    None past MAX_SERVERS."""
+    None past MAX_SERVERS, and where a fork cannot stand in for a fresh interpreter (no pidfd:
+    not Linux; macOS, whose system libraries do not survive a fork of a threaded process)."""
+    if not FORK_SERVES:
+        return None
     key = _import_time_env(env)
     server = _servers.get(key)
     if server is not None and not server.alive():
@@ -331,13 +337,16 @@ def _server_for(env: dict[str, str], *, first_time_too: bool = False) -> _Server
     return server
 
 
-def start_python(argv: list[str], *, cwd: Path | str = REPO, env: dict[str, str] | None = None) -> Started:
+def start_python(argv: list[str], *, cwd: Path | str = REPO,
+                 env: dict[str, str] | None = None) -> Started | subprocess.Popen:
     """As `subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
-    text=True)`, read once it has ended, and forked from a server (see run_python)."""
+    text=True)`, read once it has ended, and forked from a server (see run_python); that very
+    Popen where no server can serve it."""
     env = dict(os.environ if env is None else env)
     server = _server_for(env, first_time_too=True)
     if server is None:
-        raise RuntimeError(f"more than {MAX_SERVERS} import-time environments at once")
+        return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     return Started(server, [str(a) for a in argv], str(cwd), env)
 
 

@@ -13,6 +13,10 @@ import pytest
 from tests import prestarted
 from tests.prestarted import run_python, start_python
 
+# Where no server runs (not Linux), commands run as plain subprocesses: only these two tests
+# are about the server itself.
+SERVED = pytest.mark.skipif(not prestarted.FORK_SERVES, reason="commands run as plain subprocesses here (no pidfd)")
+
 SCRIPT = """\
 import atexit, os, sys, threading, time
 print("argv", sys.argv)
@@ -63,12 +67,14 @@ def test_c_and_m_run_as_under_a_fresh_interpreter(tmp_path, argv):
     assert ours.returncode != 0
 
 
+@SERVED
 def test_the_project_is_imported_once_and_forked_per_command():
     program = "import sys; print('torch' in sys.modules, 'trainer.loop' in sys.modules)"
     assert run_python(["-c", program], timeout=60).stdout == "True True\n"
     assert subprocess.run([sys.executable, "-c", program], capture_output=True, text=True).stdout == "False False\n"
 
 
+@SERVED
 def test_an_import_time_variable_gets_a_server_of_its_own_when_asked_again():
     program = "import os, torch; print(os.environ.get('TORCH_PRESTARTED_PROBE'), torch.get_num_threads() > 0)"
     before = set(prestarted._servers)
