@@ -345,3 +345,15 @@ def test_ranks_that_built_different_corpora_all_stop_naming_them():
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("the ranks built different corpora (corpus aaaaaaaaaaaa on ranks 0, 1; "
                                   "corpus bbbbbbbbbbbb on ranks 2)")
+
+
+def test_a_document_is_cut_again_only_when_its_text_changed():
+    """select keeps its cuts per text (a second Trainer in a process skips them): the same text
+    gives the kept selection, a changed one is cut afresh, with what it now lacks counted."""
+    text = "def a():\n    return 1\n\n\ndef b():\n    return 2\n"
+    keys = [chunk_key(c) for c in code_chunks(text)]
+    first = select("doc.py", text, keys, code_chunks)
+    assert select("doc.py", "".join(text), list(keys), code_chunks) is first
+    changed = select("doc.py", text.replace("return 2", "return 3"), keys, code_chunks)
+    assert changed is not first and changed.missing == 1 and "return 3" not in changed.text
+    assert (first.text, first.missing) == (text, 0)

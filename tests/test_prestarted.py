@@ -117,3 +117,14 @@ def test_commands_run_side_by_side_and_take_signals_as_processes(tmp_path):
     assert waiting.wait(timeout=60) == 143
     assert plain_sleep.wait(timeout=60) == -signal.SIGTERM
     assert os.path.exists(f"/proc/{waiting.pid}") is False
+
+
+def test_where_no_fork_can_serve_commands_are_plain_subprocesses(monkeypatch):
+    monkeypatch.setattr(prestarted, "FORK_SERVES", False)
+    before = dict(prestarted._servers)
+    done = run_python(["-c", "import sys; print('plain'); sys.exit(3)"], timeout=60)
+    assert (done.returncode, done.stdout) == (3, "plain\n")
+    started = start_python(["-c", "print('popen')"])
+    assert isinstance(started, subprocess.Popen)
+    assert started.communicate(timeout=60) == ("popen\n", "")
+    assert prestarted._servers == before
