@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from model.gpt import GPT
+from parallel.comm import all_gather_object
 from parallel.tp_ops import Group, all_reduce
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -19,6 +20,8 @@ def eval_losses(
     autocast: Callable[[], ContextManager],
     dp_group: Group = None,
     counted: Optional[dict[str, int]] = None,
+    loss_of: Optional[Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]] = None,
+    pp_group: Group = None,
 ) -> dict[str, float]:
     """Mean loss over each set's fixed batches, as {"val/<set>/loss": value}.
 
@@ -26,6 +29,10 @@ def eval_losses(
     counts are all-reduced once for all sets together. `counted[set]`: only that many of
     the set's batches count, the rest are padding that keeps the ranks' forwards in step
     (under FSDP2 every forward is a collective).
+
+    Under a pipeline `loss_of(x, y)` runs a batch through it (every rank of the pp group
+    together) and gives the loss on the last stage's rank, None on the others: the sums are
+    then reduced over the pp group too.
     """
     was_training = model.training
     model.eval()
@@ -34,13 +41,18 @@ def eval_losses(
     for i, (name, batches) in enumerate(eval_sets.items()):
         real = len(batches) if counted is None else counted[name]
         for j, (x, y) in enumerate(batches):
-            with autocast():
-                loss = model(x, y).float()
+            if loss_of is not None:
+                loss = loss_of(x, y)
+                if loss is None:
+                    continue
+            else:
+                with autocast():
+                    loss = model(x, y).float()
             if j < real:
                 totals[i, 0] += loss
                 totals[i, 1] += 1
     model.train(was_training)
-    totals = all_reduce(totals, dp_group)
+    totals = all_reduce(all_reduce(totals, dp_group), pp_group)
     values = (totals[:, 0] / totals[:, 1]).tolist()  # one device-to-host transfer
     return {f"val/{name}/loss": v for name, v in zip(eval_sets, values)}
 
@@ -62,5 +74,22 @@ def attention_max_logits(
     with autocast():
         model(x, max_logit_out=per_layer)
     model.train(was_training)
-    maxima = all_reduce(torch.stack(per_layer).float(), tp_group, op=dist.ReduceOp.MAX)
+    return max_logit_metrics(all_reduce(torch.stack(per_layer).float(), tp_group, op=dist.ReduceOp.MAX))
+
+
+def max_logit_metrics(maxima: torch.Tensor) -> dict[str, float]:
+    """[n_layers] maxima as the attn/max_logit/layer_<i> metrics (one device-to-host transfer)."""
     return {f"attn/max_logit/layer_{i}": v for i, v in enumerate(maxima.tolist())}
+
+
+def gather_stage_metrics(stats: dict[str, torch.Tensor | float], pp_group: Group) -> dict[str, float | torch.Tensor]:
+    """Metrics that each pipeline stage has for its own layers (the MoE layers' loads), from
+    every stage, for rank 0 to log: one object gather over the pp group on a logging step.
+    Without a pipeline the metrics as they are."""
+    if pp_group is None:
+        return stats
+    mine = {k: float(v) for k, v in stats.items()}
+    merged: dict[str, float | torch.Tensor] = {}
+    for part in all_gather_object(mine, pp_group, "pp"):
+        merged.update(part)
+    return merged

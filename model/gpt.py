@@ -277,22 +277,26 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, max_logit_out, None if cache is None else cache.layers[i])
-            self._track_output(i, x)
+            self.track_output(i, x)
         x = self.final_norm(x)
-        self._track_output(self.cfg.n_layers, x)
+        self.track_output(self.cfg.n_layers, x)
         if targets is None:
             return self.head.full_logits(self.head(x))
-        if self.cfg.loss_chunks > 1:
-            loss = chunked_head_loss(self.head, x, targets, self.cfg.loss_chunks)
-        else:
-            loss = self.head.loss(self.head(x), targets)
+        loss = self.head_loss(x, targets)
         for block in self.blocks:
             aux = getattr(block.mlp, "aux_loss", None)
             if aux is not None:
                 loss = loss + aux
         return loss
 
-    def _track_output(self, slot: int, x: torch.Tensor) -> None:
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the head over the final normed hidden state `x` (in
+        model.loss_chunks chunks where asked): the last pipeline stage's loss function too."""
+        if self.cfg.loss_chunks > 1:
+            return chunked_head_loss(self.head, x, targets, self.cfg.loss_chunks)
+        return self.head.loss(self.head(x), targets)
+
+    def track_output(self, slot: int, x: torch.Tensor) -> None:
         if self.track_output_rms:
             self.output_sq_sum[slot] += x.detach().float().pow(2).sum()
 

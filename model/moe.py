@@ -239,8 +239,9 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
-    """(block index, layer) of every MoE feed-forward layer."""
-    return [(i, b.mlp) for i, b in enumerate(model.blocks) if isinstance(b.mlp, MoE)]
+    """(block index, layer) of every MoE feed-forward layer the model holds (a pipeline stage's
+    model holds some blocks, each under its index in the whole model)."""
+    return [(int(i), b.mlp) for i, b in model.blocks.named_children() if isinstance(b.mlp, MoE)]
 
 
 @torch.no_grad()

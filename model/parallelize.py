@@ -165,9 +165,14 @@ def parallelize_tp(model: GPT, group: Group, split_experts: bool = True) -> GPT:
         else:
             block.mlp_norm = TPInputNorm(block.mlp_norm, group)
             _split_swiglu(mlp, group)
-    model.final_norm = TPInputNorm(model.final_norm, group)
-    model.embed = VocabParallelEmbedding(model.embed, group)
-    model.head = VocabParallelHead(model.head, model.cfg.vocab_size, group)
+    # A pipeline stage's model holds the embedding only on the first stage, the final norm and
+    # head only on the last (model/pipeline_split.py).
+    if model.final_norm is not None:
+        model.final_norm = TPInputNorm(model.final_norm, group)
+    if model.embed is not None:
+        model.embed = VocabParallelEmbedding(model.embed, group)
+    if model.head is not None:
+        model.head = VocabParallelHead(model.head, model.cfg.vocab_size, group)
     for param in model.parameters():
         if not hasattr(param, "tp_split_dim"):
             raise AssertionError("every parameter must record its TP split after parallelize_tp")

@@ -32,7 +32,7 @@ class MuonWithAdamW(OptimizerSet):
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
         """Average gradients over DP, clip by the global norm; returns the norm."""
         average_gradients(self.params, self.mesh.dp_group)
-        return clip_gradients(self.params, max_norm, self.mesh.tp_group)
+        return clip_gradients(self.params, max_norm, self.mesh.tp_group, self.mesh.pp_group)
 
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():

@@ -52,11 +52,13 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.T
     return torch.mul(total, total, out=torch.empty((), dtype=torch.float32, device=total.device))
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.ProcessGroup],
+                     pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """L2 norm of the full model's gradient (after DP averaging), on every rank.
 
     TP-sharded gradients hold different parts of the model on each TP rank, so their squares
-    are summed over TP; replicated gradients are equal on every rank and counted once.
+    are summed over TP; replicated gradients are equal on every rank and counted once. Under
+    a pipeline every stage holds other layers: the squares are summed over `pp_group` too.
     """
     sharded, replicated = [], []
     for p in params:
@@ -66,15 +68,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], tp_group: Optional[dist.Pro
         target.append(p.grad)
     device = next(iter(sharded + replicated)).device
     sq_sharded = all_reduce(sum_of_squares(sharded, device), tp_group)
-    return (sq_sharded + sum_of_squares(replicated, device)).sqrt()
+    return all_reduce(sq_sharded + sum_of_squares(replicated, device), pp_group).sqrt()
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def clip_gradients(params: list[torch.Tensor], max_norm: float, tp_group: Optional[dist.ProcessGroup],
+                   pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm` (0: no clipping).
 
     Returns the norm before clipping. The scale stays on the device: no host sync.
     """
-    norm = global_grad_norm(params, tp_group)
+    norm = global_grad_norm(params, tp_group, pp_group)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)

@@ -37,18 +37,21 @@ from parallel.fsdp import local_rows
 
 
 class QKClip:
-    def __init__(self, model: torch.nn.Module, tau: float, dp_group: Group, tp_group: Group) -> None:
+    def __init__(self, model: torch.nn.Module, tau: float, dp_group: Group, tp_group: Group,
+                 pp_group: Group = None) -> None:
+        """`pp_group`: under a pipeline, the stages whose layers the metrics cover together
+        (each stage clips the heads of its own layers)."""
         self.tau = tau
-        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         self.attentions = [block.attn for block in model.blocks]
         for attn in self.attentions:
             local_heads = attn.wq.weight.shape[0] // attn.head_dim
             attn.head_max_logit = torch.full((local_heads,), float("-inf"), device=attn.wq.weight.device)
-        device = self.attentions[0].wq.weight.device
+        device = next(model.parameters()).device
         # Of the last step, on the device: heads clipped (this rank's), the largest logit
         # before and after the clip; and the head-clips summed since the last metrics() read,
         # so clips between logging steps are seen too.
-        self.last = torch.zeros(3, device=device)
+        self.last = torch.tensor([0.0, float("-inf"), float("-inf")], device=device)
         self.clipped_since_read = torch.zeros((), device=device)
 
     def reset(self) -> None:
@@ -67,6 +70,8 @@ class QKClip:
     @torch.no_grad()
     def apply(self, found_inf: Optional[torch.Tensor] = None) -> None:
         """Scale W_q / W_k of every head whose logits exceeded tau this step; no host sync."""
+        if not self.attentions:  # a pipeline stage of the embedding or the head alone
+            return
         head_max = torch.stack([attn.head_max_logit for attn in self.attentions])  # [L, H_local]
         head_max = all_reduce(head_max, self.dp_group, op=dist.ReduceOp.MAX)
         gamma = self.factors(head_max, found_inf)
@@ -91,6 +96,8 @@ class QKClip:
         previous call; call on all ranks together."""
         heads = all_reduce(torch.stack([self.last[0], self.clipped_since_read]), self.tp_group)
         peaks = all_reduce(self.last[1:].clone(), self.tp_group, op=dist.ReduceOp.MAX)
+        heads = all_reduce(heads, self.pp_group)
+        peaks = all_reduce(peaks, self.pp_group, op=dist.ReduceOp.MAX)
         self.clipped_since_read.zero_()
         return {
             "optim/qk_clip/heads_clipped": heads[0],

@@ -110,7 +110,8 @@ class ShardedOptimizer(OptimizerSet):
             torch._foreach_div_(experts, float(self.mesh.ep))
         device = next(iter(self.local.values())).device
         square = all_reduce(sum_of_squares(tp_split, device), self.mesh.tp_group) + sum_of_squares(replicated, device)
-        norm = all_reduce(square, self.shard_group).sqrt()
+        # Under a pipeline the other stages' squares join before the norm: one clip, one skip.
+        norm = all_reduce(all_reduce(square, self.shard_group), self.mesh.pp_group).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(tp_split + replicated, scale)

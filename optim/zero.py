@@ -243,7 +243,8 @@ class ZeroOptimizer(OptimizerSet):
         sq_sharded = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if f], device)
         sq_replicated = sum_of_squares([t.grad for (t, _), f in zip(self._owned, self._sharded) if not f], device)
         both = all_reduce(torch.stack([sq_sharded, sq_replicated]), self.mesh.dp_group)
-        norm = (all_reduce(both[0:1], self.mesh.tp_group)[0] + both[1]).sqrt()
+        # Under a pipeline the other stages' squares join before the norm: one clip, one skip.
+        norm = all_reduce(all_reduce(both[0:1], self.mesh.tp_group)[0] + both[1], self.mesh.pp_group).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for domain in self.domains:

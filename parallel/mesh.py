@@ -1,12 +1,14 @@
 """The device mesh: every process group of a run comes from one named DeviceMesh.
 
-Dimensions, outermost first: `dp_replicate` (data-parallel replicas: ZeRO-1 today, HSDP's
-replicas once parameters are sharded), `dp_shard` (data-parallel ranks that shard the
-parameters, FSDP) and `tp` (tensor parallel). TP is innermost, so a TP group is contiguous
-ranks (rank = dp_rank * tp + tp_rank) on one node, where its activation collectives run over
-the fast links; the DP dimensions stride across nodes. Pipeline stages would go outside
-`dp_replicate` and expert parallelism is carved out of the DP ranks, so both can join as new
-names without changing the order of the others.
+Dimensions, outermost first: `pp` (pipeline stages, parallel/pipeline.py), `dp_replicate`
+(data-parallel replicas: ZeRO-1, or HSDP's replicas once parameters are sharded), `dp_shard`
+(data-parallel ranks that shard the parameters, FSDP) and `tp` (tensor parallel). TP is
+innermost, so a TP group is contiguous ranks (rank = (pp_rank * dp + dp_rank) * tp + tp_rank)
+on one node, where its activation collectives run over the fast links; the DP dimensions
+stride across nodes, and the pipeline stages outside them, where only one activation per
+micro-batch crosses between neighbours. Every stage holds a whole data-parallel x TP layout of
+its own layers: the `dp`, `tp` and expert groups below are a stage's, and the `pp` group joins
+the ranks of the same (dp, tp) place in every stage.
 
 `dp` is the flattened (dp_replicate, dp_shard) dimension: the group that averages gradients
 and owns ZeRO-1's optimizer state.
@@ -43,7 +45,7 @@ from parallel.comm import label_group
 from parallel.slurm import adopt_slurm_env
 
 # Outermost first; the order fixes which ranks each group holds.
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1  # carved out of the data-parallel ranks, not a factor of the world size
+    pp: int = 1  # pipeline stages, outermost (last here: positional Layout(dp_replicate, dp_shard, tp) stays)
 
     @property
     def dp(self) -> int:
@@ -61,15 +64,17 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
     def describe(self) -> str:
-        """ "dp_replicate 2 x dp_shard 1 x tp 2", and the EP groups where there are some """
-        dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape))
+        """ "dp_replicate 2 x dp_shard 1 x tp 2", and the EP groups where there are some
+        (pp only where there is a pipeline)"""
+        dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape)
+                          if name != "pp" or self.pp > 1)
         return dims if self.ep == 1 else f"{dims}, ep {self.ep} over the data-parallel ranks"
 
 
@@ -79,7 +84,8 @@ def _world_words(world_size: int) -> str:
     return f"{world_size} processes (the number torchrun started)"
 
 
-def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shard: int = 1, ep: int = 1) -> Layout:
+def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shard: int = 1, ep: int = 1,
+                   pp: int = 1) -> Layout:
     """The layout `parallel.*` asks for on `world_size` ranks; -1 means "the rest of the world".
 
     Raises ValueError, in one line naming the keys, for a size below 1 (other than -1), more
@@ -88,10 +94,15 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
     """
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"parallel.ep={ep} must be a positive number of ranks")
-    sizes = {"parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard, "parallel.tp": tp}
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"parallel.pp={pp} must be a positive number of pipeline stages")
+    sizes = {"parallel.pp": pp, "parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard,
+             "parallel.tp": tp}
     for key, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ValueError(f"{key}={size} must be a positive number of ranks, or -1 for the rest of the world")
+    if pp == 1:
+        del sizes["parallel.pp"]  # named in the messages only where a pipeline was asked for
     if sizes["parallel.tp"] == -1:
         raise ValueError("parallel.tp=-1: TP needs an explicit size (-1, the rest of the world, is for the "
                          "parallel.dp_* keys)")
@@ -107,7 +118,7 @@ def resolve_layout(world_size: int, tp: int = 1, dp_replicate: int = -1, dp_shar
         raise ValueError(f"{asked} does not multiply out to {_world_words(world_size)}{advice}")
     if rest:
         sizes[rest[0]] = world_size // given
-    layout = Layout(dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
+    layout = Layout(pp=pp, dp_replicate=sizes["parallel.dp_replicate"], dp_shard=sizes["parallel.dp_shard"],
                     tp=sizes["parallel.tp"], ep=ep)
     if layout.dp_shard > 1 and layout.dp_shard % ep:
         raise ValueError(f"parallel.ep={ep} does not divide parallel.dp_shard={layout.dp_shard} (under FSDP2 the "
@@ -132,6 +143,8 @@ class Mesh:
     world_size: int = 1
     layout: Layout = field(default_factory=Layout)
     tp_group: Optional[dist.ProcessGroup] = None
+    # The ranks of this rank's place in every pipeline stage (parallel.pp > 1), stage order.
+    pp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None  # dp_replicate x dp_shard, flattened
     # Expert parallelism (parallel.ep > 1): the ranks holding different experts, and those
     # holding the same ones (the experts' data-parallel group).
@@ -151,7 +164,11 @@ class Mesh:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.layout.dp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
 
     @property
     def tp_rank(self) -> int:
@@ -159,7 +176,13 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in the pipeline: it holds stage pp_rank (and, with several stages
+        per rank, those parallel/pipeline.py's stage_ids names)."""
+        return self.rank // (self.dp * self.tp)
 
     @property
     def ep(self) -> int:
@@ -216,7 +239,8 @@ def init_mesh(layout_keys: dict[str, int], device: torch.device, backend: str = 
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard, ep=layout.ep)
+    return build_mesh(layout.tp, datetime.timedelta(seconds=timeout_s), dp_shard=layout.dp_shard, ep=layout.ep,
+                      pp=layout.pp)
 
 
 def init_simulated_mesh(layout_keys: dict[str, int], world_size: int, rank: int, device: torch.device) -> Mesh:
@@ -235,7 +259,7 @@ def init_simulated_mesh(layout_keys: dict[str, int], world_size: int, rank: int,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    return build_mesh(layout.tp, dp_shard=layout.dp_shard, ep=layout.ep, device_type=device.type)
+    return build_mesh(layout.tp, dp_shard=layout.dp_shard, ep=layout.ep, device_type=device.type, pp=layout.pp)
 
 
 def is_simulated() -> bool:
@@ -244,13 +268,13 @@ def is_simulated() -> bool:
 
 
 def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_shard: int = 1, ep: int = 1,
-               device_type: Optional[str] = None) -> Mesh:
+               device_type: Optional[str] = None, pp: int = 1) -> Mesh:
     """The mesh over an initialised default group, `dp_replicate` the rest of the world.
     Every rank must call this (group creation is collective). `timeout` bounds the host
     group's collectives like the default group's. `device_type`: the mesh's device, by default
     the backend's (cuda for nccl, else cpu)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard, ep=ep)
+    layout = resolve_layout(world_size, tp=tp, dp_shard=dp_shard, ep=ep, pp=pp)
     backend = dist.get_backend()
     device_type = device_type or ("cuda" if backend == "nccl" else "cpu")
     device_mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
@@ -278,9 +302,11 @@ def build_mesh(tp: int = 1, timeout: Optional[datetime.timedelta] = None, dp_sha
     label_group(device_mesh.get_group("dp_shard"), "dp_shard")
     label_group(tp_group, "tp")
     label_group(dp_group, "dp")
+    pp_group = device_mesh.get_group("pp") if layout.pp > 1 else None
+    label_group(pp_group, "pp")
     # gloo already runs on the host; fake groups have no host to agree with.
     host_group = new_host_group("host", timeout) if backend not in ("gloo", "fake") else None
-    return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, dp_group=dp_group,
+    return Mesh(rank=rank, world_size=world_size, layout=layout, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
                 ep_group=ep_group, edp_group=edp_group, expert_mesh=experts, host_group=host_group,
                 device_mesh=device_mesh)
 
@@ -299,7 +325,7 @@ def mesh_groups(mesh: Mesh) -> list[dist.ProcessGroup]:
     """Every distinct process group the mesh made (not the default group), each once."""
     groups: list[dist.ProcessGroup] = []
     candidates: list[Optional[dist.ProcessGroup]] = [mesh.tp_group, mesh.dp_group, mesh.ep_group, mesh.edp_group,
-                                                     mesh.host_group]
+                                                     mesh.host_group, mesh.pp_group]
     for device_mesh in (mesh.device_mesh, mesh.expert_mesh):
         if device_mesh is not None:
             candidates += device_mesh.get_all_groups()

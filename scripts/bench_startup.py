@@ -54,7 +54,7 @@ def old_build(cfg, vocab_size: int, mesh, device: torch.device):
     model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group).to(device)
     if mesh.layout.dp_shard > 1:
         experts = [layer.experts for _, layer in moe_layers(model)] if mesh.ep > 1 else []
-        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), None, cfg.parallel.reshard_after_forward,
+        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), None, reshard_after_forward(cfg.parallel),
                    experts, fsdp_mesh(mesh.expert_mesh, "expert_shard") if experts else None)
     return model
 

@@ -201,7 +201,7 @@ def _layout_worker(rank: int, world: int, run_dir: str, overrides: list[str], mo
     from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(COMMON + overrides))
-    mesh = build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep)
+    mesh = build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep, pp=cfg.parallel.pp)
     if mode == "interrupt":
         interrupted(Path(run_dir), overrides, mesh)
     else:

@@ -21,7 +21,7 @@ from tests.prestarted import run_python
 def test_minus_one_is_the_rest_of_the_world(world, keys, layout):
     got = resolve_layout(world, **keys)
     assert got == layout and got.world_size == world and got.dp == layout.dp_replicate * layout.dp_shard
-    assert got.shape == (layout.dp_replicate, layout.dp_shard, layout.tp)
+    assert got.shape == (1, layout.dp_replicate, layout.dp_shard, layout.tp)  # pp 1 outermost
 
 
 @pytest.mark.parametrize("world, keys, line", [
@@ -103,8 +103,8 @@ def _mesh_worker(rank: int, world_size: int, tp: int) -> dict:
 def test_one_named_mesh_gives_contiguous_tp_and_strided_dp_groups():
     results = run_distributed(_mesh_worker, 4, 2)
     for rank, r in enumerate(results):
-        assert r["dims"] == MESH_DIMS == ("dp_replicate", "dp_shard", "tp")
-        assert r["shape"] == (2, 1, 2)
+        assert r["dims"] == MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+        assert r["shape"] == (1, 2, 1, 2)  # pp 1 outermost
         assert r["tp_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]  # contiguous: one node
         assert r["dp_ranks"] == [rank % 2, rank % 2 + 2]  # strided across nodes
         assert r["labels"] == ("tp", "dp")

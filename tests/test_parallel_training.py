@@ -38,7 +38,8 @@ def _train_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> 
     from parallel.mesh import build_mesh
 
     cfg = to_dataclass(compose(COMMON + overrides))
-    Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep)).train()
+    Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard, ep=cfg.parallel.ep,
+                                           pp=cfg.parallel.pp)).train()
 
 
 def losses(records: list[dict], key: str = "train/loss") -> list[float]:

@@ -3,6 +3,7 @@ per node) and the model (from the seed alone, each rank drawing only its part)."
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -13,40 +14,58 @@ from model.gpt import GPT
 from model.init import InitRule, RankParts, materialize
 from model.moe import moe_layers
 from model.parallelize import parallelize_moe, parallelize_tp
+from model.pipeline_split import StageModule, keep_stages
 from parallel.comm import all_gather_object, barrier, world
 from parallel.fsdp import apply_fsdp, fsdp_mesh, local_rows
 from parallel.mesh import Mesh
 from trainer import device as dev
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, reshard_after_forward
+from trainer.pipeline import StagePlan, stage_modules, stage_plan
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
     """This rank's part of the model of seed `cfg.seed`: its TP shard, its experts under EP,
-    its FSDP2 rows under dp_shard, on `device`.
+    its FSDP2 rows under dp_shard, on `device` (under a pipeline: build_pipeline_model).
 
     Built and sharded on the meta device, then given storage on `device` and filled one
     parameter at a time by the initialisation rule (model/init.py), which draws each logical
     tensor whole and keeps this rank's part: every layout holds exactly the weights of the
     single-process model of the same seed, and start-up memory does not grow with the model.
     """
+    return build_pipeline_model(cfg, vocab_size, mesh, device)[0]
+
+
+def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh,
+                         device: torch.device) -> tuple[GPT, list[StageModule], Optional[StagePlan]]:
+    """build_model, and under a pipeline (parallel.pp > 1) this rank's stages: the model then
+    holds only their layers, under their whole-model names, and each stage is its own FSDP2
+    root. Without one: the model, no stages, no plan."""
     model_cfg = replace(cfg.model, vocab_size=vocab_size)
     with torch.device("meta"):
         model = GPT(model_cfg, init_seed=cfg.seed)
     logical_shapes = {name: p.shape for name, p in model.named_parameters()}
+    plan = stage_plan(cfg, mesh.pp_rank) if mesh.pp > 1 else None
+    if plan is not None:
+        keep_stages(model, plan.blocks, plan.holds_first, plan.holds_last)
     model = parallelize_tp(model, mesh.tp_group, split_experts=mesh.ep == 1)
     model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group)
     # Checkpoint wrapping before FSDP2 (and compile, later, per block): the order that composes.
     apply_activation_checkpointing(model, cfg.trainer.activation_checkpointing)
+    stages = stage_modules(model, plan) if plan is not None else []
     if mesh.layout.dp_shard > 1:
         # FSDP2 over what TP left on this rank: bf16 compute from fp32 master weights under
         # trainer.precision=bf16, fp32 gradient reduction either way.
         param_dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else None
         experts = [layer.experts for _, layer in moe_layers(model)] if mesh.ep > 1 else []
-        apply_fsdp(model, model.blocks, fsdp_mesh(mesh.device_mesh), param_dtype, cfg.parallel.reshard_after_forward,
-                   experts, fsdp_mesh(mesh.expert_mesh, "expert_shard") if experts else None)
+        # Under a pipeline each stage is a root: torch's stage drives its gradient sync.
+        for root in stages or [model]:
+            mine = [e for e in experts if any(e is m for m in root.modules())]
+            blocks = root.blocks.values() if stages else model.blocks
+            apply_fsdp(root, blocks, fsdp_mesh(mesh.device_mesh), param_dtype, reshard_after_forward(cfg.parallel),
+                       mine, fsdp_mesh(mesh.expert_mesh, "expert_shard") if mine else None)
     materialize(model, logical_shapes, InitRule.of(model_cfg, cfg.seed), device,
                 RankParts.of(mesh.tp_group, mesh.ep_group))
-    return model
+    return model, stages, plan
 
 
 def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:

@@ -44,7 +44,7 @@ from trainer.checkpoint_files import (
     set_suspect, suspects,
 )
 from trainer.checkpoint_shards import ChunkSavePlanner
-from trainer.checkpoint_state import process_group, rng_json, rng_state, sharded_state
+from trainer.checkpoint_state import mesh_record, process_group, rng_json, rng_state, sharded_state
 
 log = logging.getLogger("checkpoint")
 # DCP warns on every single-process save and load that it assumes a single process: that is
@@ -85,7 +85,7 @@ def save(trainer, directory: Path, keep: int, config: dict[str, Any], good: bool
     rng = all_gather_object(rng_json(rng_state(trainer.device)), process_group(mesh), "checkpoint")
     if mesh.is_main:
         meta = {"format": SHARDED_FORMAT, "step": trainer.step, "tokens": trainer.tokens,
-                "skipped_steps": trainer.skipped_steps, "mesh": {"dp": mesh.dp, "tp": mesh.tp},
+                "skipped_steps": trainer.skipped_steps, "mesh": mesh_record(mesh),
                 "rng": rng, "config": config}
         with atomic_output(partial / META_FILE) as f:  # fsynced, like the tensor files
             f.write(json.dumps(meta).encode())

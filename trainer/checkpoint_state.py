@@ -82,7 +82,7 @@ def logical_state(trainer) -> dict[str, Any]:
     rng = all_gather_object(rng_state(trainer.device), world(), "checkpoint")
     return {"format": FORMAT_VERSION, "step": trainer.step, "tokens": trainer.tokens,
             "skipped_steps": trainer.skipped_steps, "params": params, "buffers": buffers,
-            "optim": optim, "rng": rng, "mesh": {"dp": mesh.dp, "tp": mesh.tp}}
+            "optim": optim, "rng": rng, "mesh": mesh_record(mesh)}
 
 
 def _logical_rows(trainer, name: str, param: torch.Tensor) -> int:
@@ -225,8 +225,23 @@ def restore(trainer, state: dict[str, Any]) -> None:
     _set_rng_state(_rng_from_json(rng) if state.get("sharded") else rng, trainer.device)
 
 
+def _other_stages(trainer) -> set[str]:
+    """Under a pipeline: the names (parameters and buffers) of the whole model that this rank's
+    stages do not hold, which a checkpoint holds for the other ranks. Empty without one."""
+    if trainer.mesh.pp == 1:
+        return set()
+    from model.gpt import GPT
+
+    with torch.device("meta"):
+        whole = set(GPT(trainer.model_cfg, init_seed=0).state_dict())
+    return whole - set(trainer.model.state_dict())
+
+
 def _check_fits(trainer, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
                 buffers: set[str]) -> None:
+    others = _other_stages(trainer)
+    found = {n: shape for n, shape in found.items() if n not in others}
+    buffers = buffers - others
     differing = sorted(n for n in set(expected) | set(found) if expected.get(n) != found.get(n))
     if differing:
         details = ", ".join(f"{n}: checkpoint {found.get(n)} vs model {expected.get(n)}" for n in differing[:8])
@@ -308,6 +323,11 @@ def _full_tail(param: torch.Tensor, mesh) -> list[int]:
     if dim is not None and dim > 0:
         shape[dim] *= group_size(mesh.tp_group)
     return shape[1:]
+
+
+def mesh_record(mesh) -> dict[str, int]:
+    """The layout a checkpoint records ({"dp", "tp"}, and "pp" under a pipeline)."""
+    return {"dp": mesh.dp, "tp": mesh.tp, **({"pp": mesh.pp} if mesh.pp > 1 else {})}
 
 
 def process_group(mesh):

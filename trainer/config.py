@@ -131,10 +131,24 @@ class ParallelConfig:
     # goes to its expert's rank and back by all-to-all. It must divide the data-parallel ranks
     # (dp_shard under FSDP2, else dp_replicate) and model.n_experts. See docs/moe.md.
     ep: int = 1
+    # Pipeline parallelism (parallel/pipeline.py, docs/distributed.md): `pp` stages, the
+    # outermost mesh dimension; each stage holds whole layers and a whole dp x tp layout of
+    # them. pp_schedule: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble or zbv (the
+    # last three hold pp_stages_per_rank stages per rank; zbv exactly 2, in a V).
+    # pp_microbatches: the pipeline's micro-batches per trainer.batch_size batch (0: one
+    # sequence each); trainer.grad_accum runs the whole pipeline that many times per step.
+    # pp_layers_per_stage: blocks per stage (pp x pp_stages_per_rank of them), instead of the
+    # even split that counts the embedding and the head as a layer each.
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 1
+    pp_layers_per_stage: list[int] = field(default_factory=list)
     # FSDP2 (dp_shard > 1): free each block's gathered parameters after its forward and gather
     # them again for its backward (less memory), or keep them to the backward (one all-gather
-    # a block fewer per micro-batch).
-    reshard_after_forward: bool = True
+    # a block fewer per micro-batch). null (the default): true, but false under a pipeline
+    # (parallel.pp > 1), which would otherwise gather each block again per micro-batch.
+    reshard_after_forward: Optional[bool] = None
     # Process-group backend: "auto" (nccl on CUDA, gloo on CPU), "nccl" or "gloo".
     backend: str = "auto"
     # Seconds a collective waits for its peers before the job fails, so a dead rank ends the
@@ -150,10 +164,17 @@ class ParallelConfig:
     simulate_rank: int = 0
 
 
+def reshard_after_forward(parallel: ParallelConfig) -> bool:
+    """parallel.reshard_after_forward as it runs: null means true, but false under a pipeline."""
+    if parallel.reshard_after_forward is None:
+        return parallel.pp == 1
+    return parallel.reshard_after_forward
+
+
 def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
     """parallel.* as parallel.mesh.resolve_layout's arguments."""
     return {"tp": parallel.tp, "dp_replicate": parallel.dp_replicate, "dp_shard": parallel.dp_shard,
-            "ep": parallel.ep}
+            "ep": parallel.ep, "pp": parallel.pp}
 
 
 @dataclass

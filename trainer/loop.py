@@ -13,8 +13,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from data.atomic import atomic_output
-from data.loader import TrainBatches, eval_batches
-from eval.evaluate import attention_max_logits, eval_losses
+from data.loader import TrainBatches
+from eval.evaluate import gather_stage_metrics
 from eval.flops import device_peak_flops, train_flops_per_token
 from eval.health import HealthStats
 from parallel.comm import COUNTER as COMM, barrier, region, world
@@ -29,7 +29,7 @@ from trainer import device as dev
 from trainer import run_env
 from trainer import simulate
 from trainer.config import TrainConfig
-from parallel.fsdp import reshard, sync_gradients
+from parallel.fsdp import sync_gradients
 from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
 from trainer.resume_checks import corpus_change, schedule_changes
@@ -38,7 +38,9 @@ from trainer.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks, set_aside_rows_after
-from trainer.build import build_model, model_line, prepare_data_once
+from trainer.build import build_pipeline_model, model_line, prepare_data_once
+from trainer.evaluation import eval_sets, evaluate
+from trainer.pipeline import PipelineRun
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
 from trainer.skips import SkipCounter
 
@@ -82,7 +84,7 @@ class Trainer:
         dev.seed_everything(cfg.seed)
 
         self.data = prepare_data_once(cfg, self.mesh)
-        self.model = build_model(cfg, self.data.vocab_size, self.mesh, self.device)
+        self.model, stages, plan = build_pipeline_model(cfg, self.data.vocab_size, self.mesh, self.device)
         self.model_cfg = self.model.cfg
         self.sharded = self.mesh.layout.dp_shard > 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -95,11 +97,12 @@ class Trainer:
         self.cfg = cfg = replace(cfg, optim=optim_cfg)
         if ns_line is not None and self.speaks:
             log.info(ns_line)
-        if t.compile and (self.sharded or t.activation_checkpointing != "none"):
+        if t.compile and (self.sharded or t.activation_checkpointing != "none" or plan is not None):
             # Block by block. Under FSDP2: each block's gathers and reduce-scatters stay FSDP2's
             # hooks around a compiled body, so communication still overlaps compute. Under
             # activation checkpointing: each compiled graph holds one block's checkpointed region,
             # whose recompute the partitioner plans as the policy says (model/activation_checkpoint.py).
+            # Under a pipeline: a stage is a schedule's unit, its blocks the compiled ones.
             for block in self.model.blocks:
                 block.compile()
             self.forward = self.model
@@ -110,9 +113,15 @@ class Trainer:
                                          compile_updates=t.compile and self.device.type == "cuda")
         self.health = HealthStats(self.model, self.mesh.tp_group,
                                   self.mesh.device_mesh.get_group("dp_shard") if self.sharded else None,
-                                  self.mesh.ep_group)
+                                  self.mesh.ep_group, self.mesh.pp_group)
         clip = cfg.optim.qk_clip
-        self.qk_clip = QKClip(self.model, clip.tau, self.mesh.dp_group, self.mesh.tp_group) if clip.enabled else None
+        self.qk_clip = (QKClip(self.model, clip.tau, self.mesh.dp_group, self.mesh.tp_group, self.mesh.pp_group)
+                        if clip.enabled else None)
+        # Under a pipeline (parallel.pp > 1) the step's forwards and backwards run in torch's
+        # schedule over this rank's stages (trainer/pipeline.py).
+        self.pipeline = PipelineRun(cfg, self.model, stages, plan, self.mesh, self.device, self.autocast) \
+            if plan is not None else None
+        self.fsdp_roots = stages or [self.model]
 
         self.global_batch = t.batch_size * t.grad_accum * self.mesh.dp
         self.tokens_per_step = self.global_batch * t.seq_len
@@ -120,7 +129,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model_cfg, t.seq_len)
         self.peak_flops = t.peak_tflops * 1e12 or self._measure_peak()
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
-        self.eval_sets = self._eval_sets()
+        self.eval_sets, self.eval_counted, self.max_logit_batch = eval_sets(self)
         self.step = 0
         # Tokens trained on so far, counted (and checkpointed) rather than derived from the
         # step, so the count stays right across a resume with a different global batch.
@@ -194,26 +203,6 @@ class Trainer:
             log.info("peak measured in %.1fs", time.perf_counter() - start)
         return peak
 
-    def _eval_sets(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Each DP rank evaluates its share of the fixed eval batches (round robin)."""
-        t, e = self.cfg.trainer, self.cfg.eval
-        sets = {}
-        self.eval_counted: dict[str, int] = {}
-        for name, tokens in self.data.eval_sets.items():
-            batches = eval_batches(tokens, t.seq_len, e.batch_size, e.batches)
-            if name == "val":
-                # Max attention logits are read on one fixed batch, the same on every rank.
-                self.max_logit_batch = batches[0][0].to(self.device)
-            mine = batches[self.mesh.dp_rank :: self.mesh.dp]
-            counted = len(mine)
-            if self.sharded or self.mesh.ep > 1:
-                # Every forward is a collective under FSDP2 and EP: ranks with fewer batches
-                # repeat one, uncounted, so that all run as many forwards.
-                mine += [batches[0]] * (-(-len(batches) // self.mesh.dp) - len(mine))
-            self.eval_counted[name] = simulate.eval_counted(self.cfg, counted, len(mine))
-            sets[name] = [(x.to(self.device), y.to(self.device)) for x, y in mine]
-        return sets
-
     def autocast(self):
         return dev.autocast(self.device, self.cfg.trainer.precision)
 
@@ -223,19 +212,11 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         self.optimizer.set_lr(lr)
         self.model.track_output_rms = measure
-        loss_sum = torch.zeros((), device=self.device)
         with region("forward_backward"):
-            for micro in range(t.grad_accum):
-                x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
-                x, y = dev.to_device(x, self.device), dev.to_device(y, self.device)
-                if self.sharded:  # FSDP2 reduce-scatters once, in the last micro-batch's backward
-                    sync_gradients(self.model, micro == t.grad_accum - 1)
-                with self.autocast():
-                    loss = self.forward(x, y)
-                # Every micro-batch holds the same number of tokens, so the mean of the
-                # micro-batch means (and then of the DP ranks' means) is the global token mean.
-                (loss / t.grad_accum).backward()
-                loss_sum += loss.detach().float()
+            if self.pipeline is not None:
+                step_loss = self.pipeline.train_step([self._micro_batch(m) for m in range(t.grad_accum)])
+            else:
+                step_loss = self._forward_backward()
         self.model.track_output_rms = False
 
         with region("grad_sync"):
@@ -245,7 +226,6 @@ class Trainer:
         # hands it to the optimizers, which skip a non-finite step on the device, and the
         # host learns of it at its next sync point (_collect_skips): no host sync per step.
         found_inf = (~torch.isfinite(grad_norm)).float()
-        step_loss = loss_sum / t.grad_accum
         self._add_to_loss_window(step_loss)
         stats: dict[str, torch.Tensor | float] = {"train/loss": step_loss}
         self.skips.note(found_inf, self.step + 1)
@@ -269,7 +249,8 @@ class Trainer:
             self.optimizer.zero_grad()
             if self.qk_clip is not None:
                 self.qk_clip.apply(found_inf)
-        moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, t.grad_accum, found_inf)
+        forwards = t.grad_accum * (self.pipeline.plan.spec.microbatches if self.pipeline is not None else 1)
+        moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, forwards, found_inf)
         if measure:
             dev.synchronize(self.device)
             stats["perf/optim_step_s"] = time.perf_counter() - t0
@@ -279,14 +260,37 @@ class Trainer:
             stats.update(self.health.weight_rms())
             n_tokens = t.batch_size * t.grad_accum * t.seq_len
             rms = self.model.pop_output_rms(n_tokens)
-            rms = (all_reduce(rms, mesh.dp_group) / mesh.dp).tolist()
+            # Every DP rank saw as many tokens: the RMS over all of them is the root of the mean
+            # square. Under a pipeline each layer's slot is filled on its own stage, zero elsewhere.
+            rms = all_reduce((all_reduce(rms.square(), mesh.dp_group) / mesh.dp).sqrt(), mesh.pp_group).tolist()
             stats.update({f"model/output_rms/layer_{i}": v for i, v in enumerate(rms[:-1])})
             stats["model/output_rms/final"] = rms[-1]
-            stats.update(moe)
+            stats.update(gather_stage_metrics(moe, mesh.pp_group) if self.model_cfg.n_experts else moe)
             if self.qk_clip is not None:
                 stats.update(self.qk_clip.metrics())
         self._advance()
         return stats
+
+    def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, mesh = self.cfg.trainer, self.mesh
+        x, y = self.train_batches.micro_batch(self.step, micro, mesh.dp_rank, mesh.dp, t.grad_accum)
+        return dev.to_device(x, self.device), dev.to_device(y, self.device)
+
+    def _forward_backward(self) -> torch.Tensor:
+        """Forward and backward of the step's grad_accum micro-batches; their mean loss."""
+        accum = self.cfg.trainer.grad_accum
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self._micro_batch(micro)
+            if self.sharded:  # FSDP2 reduce-scatters once, in the last micro-batch's backward
+                sync_gradients(self.model, micro == accum - 1)
+            with self.autocast():
+                loss = self.forward(x, y)
+            # Every micro-batch holds the same number of tokens, so the mean of the
+            # micro-batch means (and then of the DP ranks' means) is the global token mean.
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / accum
 
     def _add_to_loss_window(self, step_loss: torch.Tensor) -> None:
         """Sum the step's loss into the logging interval's window, on the device (no host sync).
@@ -388,15 +392,7 @@ class Trainer:
         self.checkpoints.eval_was_finite()
 
     def evaluate(self) -> dict[str, float]:
-        metrics = eval_losses(self.model, self.eval_sets, self.autocast, self.mesh.dp_group, self.eval_counted)
-        metrics.update(
-            attention_max_logits(self.model, self.max_logit_batch, self.autocast, self.mesh.tp_group)
-        )
-        if self.sharded:
-            # Forwards without a backward leave FSDP2's root gathered (it keeps its parameters
-            # to the backward): shard it again before anything reads or saves parameters.
-            reshard(self.model)
-        return metrics
+        return evaluate(self)
 
     def train(self) -> dict[str, float]:
         """Run to trainer.max_steps; return the metrics of the last log event."""

@@ -182,6 +182,7 @@ def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) ->
     from model.parallelize import check_ep, check_tp_divisibility
     from parallel.mesh import check_layout
     from trainer.device import check_device
+    from trainer.pipeline import check_pipeline
     from trainer.simulate import check_simulation
     from trainer.sinks import check_sink_packages
 
@@ -193,6 +194,7 @@ def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) ->
     check_moe_config(typed.model)
     check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
     check_ep(typed.model, typed.parallel.ep)
+    check_pipeline(typed)
     check_data_config(typed.data)
     # Optional packages the config switches on: missing, they would stop the run only
     # after the corpus is built.

@@ -1,0 +1,209 @@
+"""Pipeline parallelism (parallel.pp > 1): whole training runs on gloo track the single-process
+run (fp32, losses within 1e-5 relative over 10 steps, final health metrics alike), one step
+decision holds for every stage, checkpoints move between pp sizes, and the pieces (splits,
+placements, schedule checks, counted sends) say what they claim."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.test_parallel_training import _train_worker, assert_tracks, losses, read_metrics, train_in_process
+
+MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
+FAMILY = ["optim.muon.normuon=true", "optim.muon.ns_method=gram"]
+# A clip that binds: init_std 0.3 gives logits far above tau 1 (test_fsdp_training.py's CLIP).
+QK_CLIP = ["optim.qk_clip.enabled=true", "optim.qk_clip.tau=1", "model.init_std=0.3"]
+MOE = ["model=moe_tiny", "trainer.seq_len=32"]
+PP2 = ["parallel.pp=2", "parallel.pp_microbatches=2"]
+HEALTH = ("optim/update_rms/", "model/weight_rms/", "model/output_rms/", "optim/qk_clip/", "moe/", "attn/max_logit/",
+          "val/")
+
+
+@pytest.mark.parametrize("world, layout, options, per_rank, dp", [
+    (2, PP2, MUON + QK_CLIP + FAMILY, 4, 1),  # 1f1b (the default schedule), the Muon family, QK-clip
+    (2, PP2 + ["parallel.pp_schedule=gpipe"], ["optim=adamw"], 4, 1),
+    (2, PP2 + ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], MUON, 4, 1),
+    (2, PP2 + ["trainer.grad_accum=2"], MUON, 2, 1),  # accumulation over whole pipeline runs
+    (2, PP2, MOE + MUON, 4, 1),
+    (2, PP2, MUON + ["optim.grad_clip=0.05"], 4, 1),  # a global clip that binds at every step
+    pytest.param(2, ["parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=interleaved_zero_bubble",
+                     "parallel.pp_stages_per_rank=2"], MUON, 4, 1, marks=pytest.mark.slow),
+    # Four processes on two cores: with the slow tests.
+    pytest.param(4, PP2, MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x dp 2 (ZeRO-1)
+    pytest.param(4, PP2 + ["parallel.dp_shard=2"], MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x FSDP2 2
+    pytest.param(4, PP2 + ["parallel.tp=2"], MUON, 4, 1, marks=pytest.mark.slow),
+    pytest.param(4, PP2 + ["parallel.ep=2"], MOE + MUON, 4, 2, marks=pytest.mark.slow),
+], ids=["1f1b_family_qk_clip", "gpipe_adamw", "interleaved_1f1b", "accum2", "moe", "clip",
+        "interleaved_zero_bubble", "dp2", "dp_shard2", "tp2", "moe_ep2"])
+def test_pipeline_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, dp):
+    accum = 2 if "trainer.grad_accum=2" in layout else 1
+    single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}",
+                                                              "eval.interval=5"])
+    run_distributed(_train_worker, world, str(tmp_path / "par"),
+                    options + layout + [f"trainer.batch_size={per_rank}", "eval.interval=5"])
+    piped = read_metrics(tmp_path / "par")
+    assert_tracks(losses(piped), losses(single), 1e-5)
+    assert_tracks(losses(piped, "optim/grad_norm"), losses(single, "optim/grad_norm"), 1e-5)
+    assert_same_final_parameters(tmp_path / "single", tmp_path / "par", 1e-5)
+    health = [k for k in single[-1] if k.startswith(HEALTH)]
+    assert any(k.startswith("model/output_rms/") for k in health) and any(k.startswith("val/") for k in health)
+    if "optim.qk_clip.enabled=true" in options:
+        assert sum(r["optim/qk_clip/heads_clipped"] for r in single) > 0  # the clip did act
+    for key in health:
+        assert piped[-1][key] == pytest.approx(single[-1][key], rel=1e-4), key
+    if "optim.grad_clip=0.05" in options:
+        assert min(losses(single, "optim/grad_norm")) > 0.05  # the clip bound at every step
+    if world == 2:
+        # The sends and receives rank 0 counts in a step: each micro-batch's hidden state
+        # [micro, seq, d_model] in fp32 goes out of or into each stage boundary it touches, and
+        # its gradient the other way. Its stages 0 and 2 (interleaved) touch boundaries 0|1,
+        # 1|2 and 2|3: 2 x stages per rank - 1.
+        per_rank_stages = 2 if "parallel.pp_stages_per_rank=2" in layout else 1
+        seq = 32 if "model=moe_tiny" in options else 64
+        hidden = (per_rank // 2) * seq * 64 * 4
+        step = next(r for r in piped if r["step"] == 2)
+        expected = accum * 2 * (2 * per_rank_stages - 1) * hidden
+        assert step["comm/pp/send_bytes"] == step["comm/pp/recv_bytes"] == expected
+        # and the planner's count of the same traffic
+        from eval.pipeline_plan import p2p_bytes
+        assert expected == accum * p2p_bytes(2, 0, 2, per_rank // 2, seq, 64, 4, per_rank_stages)
+
+
+def assert_same_final_parameters(a: Path, b: Path, tol: float) -> None:
+    """Every parameter of the two runs' final checkpoints (whole-model names, whatever layout
+    saved them) within `tol` relative (the norm of the difference over the norm)."""
+    from trainer import checkpoint_files
+
+    pa = checkpoint_files.load(a / "checkpoints" / "step_00000010")["params"]
+    pb = checkpoint_files.load(b / "checkpoints" / "step_00000010")["params"]
+    assert sorted(pa) == sorted(pb)
+    for name in pa:
+        assert ((pa[name] - pb[name]).norm() / pa[name].norm()).item() <= tol, name
+
+
+def test_the_planned_split_and_placement():
+    from model.pipeline_split import balanced_split, blocks_per_stage, nearest_split, stage_layers
+    from parallel.pipeline import stage_ids
+
+    assert balanced_split(2, 2) == [1, 1]  # embedding + block 0 | block 1 + head
+    assert balanced_split(6, 4) == [1, 2, 2, 1]
+    assert balanced_split(2, 4) == [0, 1, 1, 0]  # a stage of the embedding alone, one of the head alone
+    assert balanced_split(32, 4) is None
+    assert nearest_split(32, 4) == [8, 9, 8, 7] or sum(nearest_split(32, 4)) == 32
+    assert sum(nearest_split(32, 4)) == 32 and len(nearest_split(32, 4)) == 4
+    assert blocks_per_stage(32, 4, [8, 8, 8, 8], "parallel.pp=4") == [8, 8, 8, 8]
+    assert stage_layers([1, 2, 0, 1]) == [[0], [1, 2], [], [3]]
+    assert stage_ids("1f1b", 4, 1, 1) == [1]
+    assert stage_ids("interleaved_1f1b", 4, 1, 2) == [1, 5]
+    assert stage_ids("zbv", 4, 1, 2) == [1, 6]
+    with pytest.raises(ValueError, match=r"parallel.pp=4 = 4 stages do not divide model.n_layers=32 \+ 2 .*"
+                                         r"parallel.pp_layers_per_stage=\["):
+        blocks_per_stage(32, 4, [], "parallel.pp=4")
+    with pytest.raises(ValueError, match=r"parallel.pp_layers_per_stage=\[16, 15\] must list 2 block counts"):
+        blocks_per_stage(32, 2, [16, 15], "parallel.pp=2")
+
+
+def test_the_planners_bubble_and_memory_follow_the_schedules_formulas():
+    from eval.pipeline_plan import bubble_fraction, in_flight, sends_per_microbatch
+
+    p, m = 4, 8
+    assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction("interleaved_1f1b", p, m, 2) == pytest.approx(((p - 1) / 2) / (m + (p - 1) / 2))
+    assert bubble_fraction("interleaved_zero_bubble", p, m, 2) == pytest.approx(((p - 1) / 6) / (m + (p - 1) / 6))
+    assert bubble_fraction("1f1b", 1, m) == 0.0  # one stage: nothing waits
+    assert [in_flight("1f1b", p, m, r) for r in range(p)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", p, m, 3) == m
+    assert in_flight("interleaved_1f1b", p, m, 0, 2) == (2 * 3 + 4 + 1) / 2
+    assert [sends_per_microbatch(p, r) for r in range(p)] == [1, 2, 2, 1]
+    assert sends_per_microbatch(2, 0, 2) == 3  # stages 0 and 2 of 4: 0->1, 2->3 forward, 2->1 back
+    with pytest.raises(ValueError, match="no bubble model for schedule 'zbv'"):
+        bubble_fraction("zbv", p, m, 2)
+
+
+def test_a_stage_keeps_the_whole_models_parameter_names():
+    import torch
+
+    from model.gpt import GPT
+    from model.pipeline_split import StageModule, keep_stages
+    from tests.test_model import tiny
+
+    cfg = tiny(n_layers=4)
+    whole = dict(GPT(cfg, init_seed=0).named_parameters())
+    with torch.device("meta"):
+        model = keep_stages(GPT(cfg, init_seed=0), [2, 3], first=False, last=True)
+    names = [n for n, _ in model.named_parameters()]
+    assert names and set(names) <= set(whole)
+    assert {n.split(".")[1] for n in names if n.startswith("blocks.")} == {"2", "3"}
+    assert "embed.weight" not in names and "head.weight" in names
+    stage = StageModule(model, [2, 3], first=False, last=True)
+    assert {id(p) for p in stage.parameters()} == {id(p) for p in model.parameters()}
+
+
+def _skip_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> dict:
+    """Three steps; at the second, the stage-1 ranks' gradients hold a NaN before the norm."""
+    import torch
+
+    from parallel.mesh import build_mesh
+    from tests.conftest import compose
+    from tests.test_parallel_training import COMMON
+    from trainer.config import to_dataclass
+    from trainer.loop import Trainer
+
+    cfg = to_dataclass(compose(COMMON + overrides))
+    trainer = Trainer(cfg, Path(run_dir), build_mesh(pp=2))
+    prepare = trainer.optimizer.prepare_grads
+
+    def poisoned(max_norm: float) -> torch.Tensor:
+        if trainer.step == 1 and trainer.mesh.pp_rank == 1:
+            next(p for p in trainer.model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        return prepare(max_norm)
+
+    trainer.optimizer.prepare_grads = poisoned
+    trainer.train_step(measure=True)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    second = trainer.train_step(measure=True)
+    unchanged = all(torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
+    trainer.train_step(measure=True)
+    moved = not all(torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
+    return {"unchanged": unchanged, "moved_after": moved, "skipped": second["train/skipped_steps"],
+            "stage": trainer.mesh.pp_rank}
+
+
+def test_a_nonfinite_gradient_on_one_stage_skips_the_step_on_every_stage(tmp_path):
+    results = run_distributed(_skip_worker, 2, str(tmp_path), MUON + PP2 + ["trainer.batch_size=4"])
+    assert [r["stage"] for r in results] == [0, 1]
+    for r in results:
+        assert r["unchanged"] and r["moved_after"] and r["skipped"] == 1.0, r
+
+
+def _pp_layout(run_dir: Path, pp: int, mode: str, options: list[str]) -> None:
+    from tests.test_checkpoint import _layout_worker, interrupted, make_trainer
+
+    overrides = ["trainer.batch_size=4", *MUON, *options]
+    if pp == 1:
+        (interrupted(run_dir, overrides) if mode == "interrupt" else make_trainer(run_dir, overrides).train())
+    else:
+        run_distributed(_layout_worker, pp, str(run_dir), overrides + [f"parallel.pp={pp}", "parallel.pp_microbatches=2"],
+                        mode)
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    (2, 2),
+    (2, 1),
+    pytest.param(1, 2, marks=pytest.mark.slow),
+], ids=["pp2-resume", "pp2-to-1", "pp1-to-2"])
+def test_pipeline_checkpoints_resume_and_move_between_pp_sizes(tmp_path, saved, loaded):
+    """A run stopped after its step-4 checkpoint (the trainer dropped, as a killed job's is) and
+    resumed with resume=auto: bit-identical at the same pp, within 1e-5 at another."""
+    from trainer import checkpoint_files
+    from tests.test_checkpoint import assert_continues_like
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _pp_layout(straight, saved, "train", [])
+    _pp_layout(resumed, saved, "interrupt", [])
+    meta = checkpoint_files.open_checkpoint(resumed / "checkpoints" / "step_00000004")["mesh"]
+    assert meta == ({"dp": 1, "tp": 1, "pp": 2} if saved == 2 else {"dp": 1, "tp": 1})
+    _pp_layout(resumed, loaded, "train", [])
+    assert_continues_like(straight, resumed, 0.0 if saved == loaded else 1e-5)
