@@ -22,14 +22,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    FORWARD,
     PipelineScheduleMulti,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
+    _Action,
+    _add_send_recv,
+    _add_unshard_reshard,
     _PipelineSchedule,
+    _PipelineScheduleRuntime,
 )
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from parallel.comm import COUNTER
 
@@ -71,6 +77,9 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
     if schedule == "zbv" and stages_per_rank != 2:
         raise ValueError(f"parallel.pp_schedule=zbv holds exactly 2 stages per rank (a V), not "
                          f"parallel.pp_stages_per_rank={stages_per_rank}")
+    if schedule == "zbv" and microbatches < 2 * pp - 1:
+        raise ValueError(f"parallel.pp_schedule=zbv needs parallel.pp_microbatches={microbatches} to be at least "
+                         f"2 x parallel.pp - 1 = {2 * pp - 1} (its V fills with that many)")
     if schedule == "1f1b" and microbatches < pp:
         raise ValueError(f"parallel.pp_schedule=1f1b needs parallel.pp_microbatches={microbatches} to be at least "
                          f"parallel.pp={pp} (a micro-batch in flight per stage)")
@@ -84,6 +93,34 @@ def check_schedule(schedule: str, pp: int, microbatches: int, stages_per_rank: i
         raise ValueError(f"parallel.pp_schedule={schedule} splits each backward into input and weight gradients, "
                          "which compiled blocks do not allow: set trainer.compile=false or parallel.pp_schedule="
                          "1f1b or interleaved_1f1b")
+
+
+class ForwardOnlyV(_PipelineScheduleRuntime):
+    """Forward only, over stages in a V placement (rank r holds stages r and 2 pp - 1 - r):
+    each rank runs every micro-batch through its first stage, then through its second, with
+    torch's runtime adding the sends and receives. torch's ZBV schedule cannot evaluate (its
+    eval() fails on a stage that has no backward, and the other ranks then wait forever), so a
+    zbv pipeline evaluates with this order over the same stages."""
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int,
+                 loss_fn: Optional[Callable[..., torch.Tensor]] = None, scale_grads: bool = False) -> None:
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        pp = self.pp_group_size
+        self.stage_index_to_group_rank = generate_stage_to_rank_mapping(pp, self._num_stages, style="v")
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        order = {rank: [_Action(stage, FORWARD, mb) for stage in (rank, 2 * pp - 1 - rank)
+                        for mb in range(n_microbatches)] for rank in range(pp)}
+        # torch's lowering of a compute-only order, less its validation (which wants a backward
+        # of every forward) and its gradient reduction: FSDP2's gathers, then the sends and
+        # receives between ranks.
+        order = {rank: _add_unshard_reshard(actions) for rank, actions in order.items()}
+        self.pipeline_order_with_comms = _add_send_recv(order, stage_to_rank=lambda s: self.stage_index_to_group_rank[s],
+                                                        num_stages=self._num_stages)
+
+
+# What evaluates a pipeline whose schedule cannot run forward only.
+FORWARD_ONLY = {"zbv": ForwardOnlyV}
 
 
 class CountedStage(PipelineStage):
@@ -134,15 +171,18 @@ class Pipeline:
 
     def __init__(self, spec: PipelineSpec, modules: list[nn.Module], ids: list[int], device: torch.device,
                  group: dist.ProcessGroup, loss_fn: Optional[Callable[..., torch.Tensor]],
-                 input_args: list[tuple[torch.Tensor, ...]], output_args: list[tuple[torch.Tensor, ...]]) -> None:
+                 input_args: list[tuple[torch.Tensor, ...]], output_args: list[tuple[torch.Tensor, ...]],
+                 forward_only: bool = False) -> None:
         """`input_args[i]` and `output_args[i]`: tensors (meta ones will do) of the shapes and
         dtypes stage `ids[i]` takes and gives for one micro-batch. Given, torch infers nothing:
-        its inference runs every stage once, forward and backward, on uninitialised tensors."""
+        its inference runs every stage once, forward and backward, on uninitialised tensors.
+        `forward_only`: a pipeline for evaluate() alone (a schedule that cannot evaluate is
+        replaced by one that runs the same stages forward only)."""
         self.spec = spec
         self.stages = [CountedStage(m, i, spec.num_stages, device, input_args=a, output_args=o, group=group)
                        for m, i, a, o in zip(modules, ids, input_args, output_args)]
         self.n_microbatches = spec.microbatches
-        cls = SCHEDULES[spec.schedule]
+        cls = FORWARD_ONLY.get(spec.schedule, SCHEDULES[spec.schedule]) if forward_only else SCHEDULES[spec.schedule]
         stages = self.stages if issubclass(cls, PipelineScheduleMulti) else self.stages[0]
         self.schedule = cls(stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 

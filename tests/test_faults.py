@@ -185,7 +185,11 @@ def launch_torchrun(run_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["parallel.dp_shard=2"]], ids=["zero1", "fsdp2"])
+@pytest.mark.parametrize("layout", [
+    [], ["parallel.dp_shard=2"],
+    # two pipeline stages (one sequence a step: gpipe over one micro-batch)
+    ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=1"],
+], ids=["zero1", "fsdp2", "pp2"])
 def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identically(tmp_path, layout):
     straight = launch_torchrun(tmp_path / "straight", *layout)
     assert straight.wait(timeout=600) == 0, straight.stderr.read()[-3000:]

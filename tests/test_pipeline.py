@@ -30,13 +30,18 @@ HEALTH = ("optim/update_rms/", "model/weight_rms/", "model/output_rms/", "optim/
     (2, PP2, MUON + ["optim.grad_clip=0.05"], 4, 1),  # a global clip that binds at every step
     pytest.param(2, ["parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=interleaved_zero_bubble",
                      "parallel.pp_stages_per_rank=2"], MUON, 4, 1, marks=pytest.mark.slow),
+    # a V: rank 0 holds the first and the last stage; evaluated by ForwardOnlyV
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2"],
+     MUON, 4, 1),
+    # each block compiled inside its stage, against the whole model compiled in one process
+    pytest.param(2, PP2, MUON + ["trainer.compile=true"], 4, 1, marks=pytest.mark.slow),
     # Four processes on two cores: with the slow tests.
     pytest.param(4, PP2, MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x dp 2 (ZeRO-1)
     pytest.param(4, PP2 + ["parallel.dp_shard=2"], MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x FSDP2 2
     pytest.param(4, PP2 + ["parallel.tp=2"], MUON, 4, 1, marks=pytest.mark.slow),
     pytest.param(4, PP2 + ["parallel.ep=2"], MOE + MUON, 4, 2, marks=pytest.mark.slow),
 ], ids=["1f1b_family_qk_clip", "gpipe_adamw", "interleaved_1f1b", "accum2", "moe", "clip",
-        "interleaved_zero_bubble", "dp2", "dp_shard2", "tp2", "moe_ep2"])
+        "interleaved_zero_bubble", "zbv", "compile", "dp2", "dp_shard2", "tp2", "moe_ep2"])
 def test_pipeline_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, dp):
     accum = 2 if "trainer.grad_accum=2" in layout else 1
     single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}",
@@ -53,6 +58,8 @@ def test_pipeline_training_tracks_the_single_process_run(tmp_path, world, layout
         assert sum(r["optim/qk_clip/heads_clipped"] for r in single) > 0  # the clip did act
     for key in health:
         assert piped[-1][key] == pytest.approx(single[-1][key], rel=1e-4), key
+    # each pipeline rank's optimizer step, timed where it runs
+    assert all(piped[-1][f"perf/optim_step_s/pp_rank_{r}"] > 0 for r in range(2))
     if "optim.grad_clip=0.05" in options:
         assert min(losses(single, "optim/grad_norm")) > 0.05  # the clip bound at every step
     if world == 2:
@@ -60,15 +67,82 @@ def test_pipeline_training_tracks_the_single_process_run(tmp_path, world, layout
         # [micro, seq, d_model] in fp32 goes out of or into each stage boundary it touches, and
         # its gradient the other way. Its stages 0 and 2 (interleaved) touch boundaries 0|1,
         # 1|2 and 2|3: 2 x stages per rank - 1.
+        if "parallel.pp_schedule=zbv" in layout:
+            return  # its own placement: rank 0 holds stages 0 and 3 (the bytes are those of 0|1 and 2|3)
         per_rank_stages = 2 if "parallel.pp_stages_per_rank=2" in layout else 1
         seq = 32 if "model=moe_tiny" in options else 64
-        hidden = (per_rank // 2) * seq * 64 * 4
+        m = 4 if "parallel.pp_microbatches=4" in layout else 2
+        hidden = (per_rank // m) * seq * 64 * 4
         step = next(r for r in piped if r["step"] == 2)
-        expected = accum * 2 * (2 * per_rank_stages - 1) * hidden
+        expected = accum * m * (2 * per_rank_stages - 1) * hidden
         assert step["comm/pp/send_bytes"] == step["comm/pp/recv_bytes"] == expected
         # and the planner's count of the same traffic
         from eval.pipeline_plan import p2p_bytes
-        assert expected == accum * p2p_bytes(2, 0, 2, per_rank // 2, seq, 64, 4, per_rank_stages)
+        assert expected == accum * p2p_bytes(2, 0, m, per_rank // m, seq, 64, 4, per_rank_stages)
+
+
+def test_an_auxiliary_loss_joins_the_backward_on_its_own_stage(tmp_path):
+    """moe_tiny's balance loss (model.aux_loss_coef > 0) lives in block 1, on stage 1: its
+    gradient enters the backward there, and the logged loss includes it. A pipeline of 2
+    micro-batches of 2 sequences computes it per micro-batch, as accumulating 2 batches of 2
+    does in one process."""
+    options = MUON + MOE + ["model.aux_loss_coef=0.05", "eval.interval=5"]
+    single = train_in_process(tmp_path / "single", options + ["trainer.batch_size=2", "trainer.grad_accum=2"])
+    run_distributed(_train_worker, 2, str(tmp_path / "par"), options + PP2 + ["trainer.batch_size=4"])
+    piped = read_metrics(tmp_path / "par")
+    assert_tracks(losses(piped), losses(single), 1e-5)
+    assert_same_final_parameters(tmp_path / "single", tmp_path / "par", 1e-5)
+    # and the loss did move the router: without it the runs differ
+    plain = train_in_process(tmp_path / "plain", MUON + MOE + ["eval.interval=5", "trainer.batch_size=2",
+                                                                "trainer.grad_accum=2"])
+    assert max(abs(a - b) for a, b in zip(losses(plain), losses(single))) > 1e-4
+
+
+@pytest.mark.parametrize("world, bad, said", [
+    (2, ["parallel.pp=2", "parallel.pp_schedule=bogus"],
+     "error: parallel.pp_schedule='bogus': unknown schedule (expected one of gpipe, 1f1b, interleaved_1f1b, "
+     "interleaved_zero_bubble, zbv)"),
+    (2, ["parallel.pp=2", "parallel.pp_microbatches=1"],
+     "error: parallel.pp_schedule=1f1b needs parallel.pp_microbatches=1 to be at least parallel.pp=2 (a micro-batch "
+     "in flight per stage)"),
+    (2, ["parallel.pp=4", "parallel.dp_replicate=1"],
+     "error: parallel.pp=4 x parallel.dp_replicate=1 x parallel.dp_shard=1 x parallel.tp=1 does not multiply out to "
+     "2 processes (the number torchrun started)"),
+    (3, ["parallel.pp=3", "parallel.pp_microbatches=3", "trainer.batch_size=3", "eval.batch_size=3"],
+     "error: parallel.pp=3 = 3 stages do not divide model.n_layers=2 + 2 (the embedding and the head count as a layer "
+     "each): choose another parallel.pp, or set parallel.pp_layers_per_stage=[0, 1, 1]"),
+    (2, ["parallel.pp=2", "parallel.pp_layers_per_stage=[1,2]"],
+     "error: parallel.pp_layers_per_stage=[1, 2] must list 2 block counts (parallel.pp=2) that add up to "
+     "model.n_layers=2"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=4",
+         "trainer.compile=true"],
+     "error: parallel.pp_schedule=zbv splits each backward into input and weight gradients, which compiled blocks "
+     "do not allow: set trainer.compile=false or parallel.pp_schedule=1f1b or interleaved_1f1b"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=2"],
+     "error: parallel.pp_schedule=zbv needs parallel.pp_microbatches=2 to be at least 2 x parallel.pp - 1 = 3 (its V "
+     "fills with that many)"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+         "parallel.pp_microbatches=5", "trainer.batch_size=10", "eval.batch_size=10"],
+     "error: parallel.pp_schedule=interleaved_1f1b runs micro-batches in rounds of parallel.pp=2: "
+     "parallel.pp_microbatches=5 must be a multiple of 2 (try 4 or 2)"),
+    (2, ["parallel.pp=2", "trainer.batch_size=6", "parallel.pp_microbatches=4"],
+     "error: trainer.batch_size=6 does not split into parallel.pp_microbatches=4 micro-batches of equal size"),
+    (1, ["parallel.pp_layers_per_stage=[1,1]"],
+     "error: parallel.pp_layers_per_stage=[1, 1] needs a pipeline (parallel.pp > 1)"),
+], ids=["schedule", "too_few_microbatches", "world", "split", "explicit_split", "zbv_compile", "zbv_microbatches",
+        "interleaved_rounds", "batch", "split_without_pp"])
+def test_a_bad_pipeline_is_one_line_with_exit_2_before_any_data_work(tmp_path, world, bad, said):
+    """As torchrun would start rank 0 of `world` ranks: the check runs before the rendezvous."""
+    import os
+
+    from tests.prestarted import run_python
+
+    proc = run_python(["train.py", *bad, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
+                       "logger.wandb.mode=disabled"], timeout=300,
+                      env={**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [said]
+    assert list(tmp_path.iterdir()) == []  # no run dir, no cache
 
 
 def assert_same_final_parameters(a: Path, b: Path, tol: float) -> None:

@@ -254,6 +254,8 @@ class Trainer:
         if measure:
             dev.synchronize(self.device)
             stats["perf/optim_step_s"] = time.perf_counter() - t0
+            if self.pipeline is not None:  # every pipeline rank steps its own stages' optimizers
+                stats.update(self.pipeline.per_rank("perf/optim_step_s", stats["perf/optim_step_s"]))
             stats["optim/grad_norm"] = grad_norm
             stats["optim/lr"] = lr
             stats.update(self.health.update_rms(before, lr))

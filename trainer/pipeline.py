@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from model.gpt import GPT
 from model.pipeline_split import StageModule, blocks_per_stage, stage_layers
-from parallel.comm import all_reduce
+from parallel.comm import all_gather_object, all_reduce
 from parallel.mesh import Mesh
 from parallel.pipeline import Pipeline, PipelineSpec, check_schedule, stage_ids
 from trainer.config import TrainConfig
@@ -59,9 +59,6 @@ def check_pipeline(cfg: TrainConfig) -> None:
     if cfg.eval.batch_size % spec.microbatches:
         raise ValueError(f"eval.batch_size={cfg.eval.batch_size} does not split into parallel.pp_microbatches="
                          f"{spec.microbatches} micro-batches (evaluation runs through the pipeline too)")
-    if spec.schedule == "zbv":
-        raise ValueError("parallel.pp_schedule=zbv: its evaluation (forward only) does not run in torch's "
-                         "ZBV schedule; use interleaved_zero_bubble or interleaved_1f1b")
     blocks_per_stage(cfg.model.n_layers, spec.num_stages, list(p.pp_layers_per_stage), stage_keys(cfg))
 
 
@@ -124,10 +121,10 @@ class PipelineRun:
         for stage in stages:
             stage.aux_scale = self.loss_scale
             stage.autocast = autocast
-        self.train_pipe = self._pipeline(t.batch_size, self._scaled_loss)
+        self.train_pipe = self._pipeline(t.batch_size, self._scaled_loss, forward_only=False)
         self.eval_pipe: Optional[Pipeline] = None
 
-    def _pipeline(self, batch: int, loss_fn: Callable) -> Pipeline:
+    def _pipeline(self, batch: int, loss_fn: Callable, forward_only: bool) -> Pipeline:
         spec = self.plan.spec
         micro = batch // spec.microbatches
         seq = self.cfg.trainer.seq_len
@@ -139,7 +136,7 @@ class PipelineRun:
         tokens = torch.empty(micro, seq, dtype=torch.long, device="meta")
         return Pipeline(spec, self.stages, self.plan.ids, self.device, self.mesh.pp_group, loss_fn,
                         input_args=[(tokens,) if i == 0 else (hidden,) for i in self.plan.ids],
-                        output_args=[(hidden,)] * len(self.stages))
+                        output_args=[(hidden,)] * len(self.stages), forward_only=forward_only)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -163,9 +160,14 @@ class PipelineRun:
                 total += aux
         return all_reduce(total, self.mesh.pp_group)
 
+    def per_rank(self, name: str, value: float) -> dict[str, float]:
+        """`value` of every rank of the pipeline, as <name>/pp_rank_<r> (a logging step's gather)."""
+        values = all_gather_object(value, self.mesh.pp_group, "pp")
+        return {f"{name}/pp_rank_{r}": v for r, v in enumerate(values)}
+
     def _eval_pipe(self) -> Pipeline:
         if self.eval_pipe is None:
-            self.eval_pipe = self._pipeline(self.cfg.eval.batch_size, self._loss)
+            self.eval_pipe = self._pipeline(self.cfg.eval.batch_size, self._loss, forward_only=True)
         return self.eval_pipe
 
     @torch.no_grad()
