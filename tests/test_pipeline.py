@@ -21,13 +21,29 @@ HEALTH = ("optim/update_rms/", "model/weight_rms/", "model/output_rms/", "optim/
           "val/")
 
 
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """The single-process run of a set of overrides, trained once for every case that compares
+    with it (interleaved_1f1b, zbv and accum2 share one)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def single(overrides: list[str]) -> Path:
+        key = tuple(overrides)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("single")
+            train_in_process(runs[key], overrides)
+        return runs[key]
+
+    return single
+
+
 @pytest.mark.parametrize("world, layout, options, per_rank, dp", [
-    (2, PP2, MUON + QK_CLIP + FAMILY, 4, 1),  # 1f1b (the default schedule), the Muon family, QK-clip
-    (2, PP2 + ["parallel.pp_schedule=gpipe"], ["optim=adamw"], 4, 1),
+    # 1f1b (the default schedule), the Muon family, QK-clip, and a global clip that binds at every step
+    (2, PP2, MUON + QK_CLIP + FAMILY + ["optim.grad_clip=0.05"], 4, 1),
+    pytest.param(2, PP2 + ["parallel.pp_schedule=gpipe"], ["optim=adamw"], 4, 1, marks=pytest.mark.slow),
     (2, PP2 + ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], MUON, 4, 1),
     (2, PP2 + ["trainer.grad_accum=2"], MUON, 2, 1),  # accumulation over whole pipeline runs
-    (2, PP2, MOE + MUON, 4, 1),
-    (2, PP2, MUON + ["optim.grad_clip=0.05"], 4, 1),  # a global clip that binds at every step
+    (2, PP2, MOE + MUON + ["eval.interval=5"], 4, 1),  # an evaluation between training steps
     pytest.param(2, ["parallel.pp=2", "parallel.pp_microbatches=4", "parallel.pp_schedule=interleaved_zero_bubble",
                      "parallel.pp_stages_per_rank=2"], MUON, 4, 1, marks=pytest.mark.slow),
     # a V: rank 0 holds the first and the last stage; evaluated by ForwardOnlyV
@@ -39,19 +55,18 @@ HEALTH = ("optim/update_rms/", "model/weight_rms/", "model/output_rms/", "optim/
     pytest.param(4, PP2, MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x dp 2 (ZeRO-1)
     pytest.param(4, PP2 + ["parallel.dp_shard=2"], MUON, 4, 2, marks=pytest.mark.slow),  # pp 2 x FSDP2 2
     pytest.param(4, PP2 + ["parallel.tp=2"], MUON, 4, 1, marks=pytest.mark.slow),
-    pytest.param(4, PP2 + ["parallel.ep=2"], MOE + MUON, 4, 2, marks=pytest.mark.slow),
-], ids=["1f1b_family_qk_clip", "gpipe_adamw", "interleaved_1f1b", "accum2", "moe", "clip",
+    pytest.param(4, PP2 + ["parallel.ep=2"], MOE + MUON + ["eval.interval=5"], 4, 2, marks=pytest.mark.slow),
+], ids=["1f1b_family_qk_clip_clip", "gpipe_adamw", "interleaved_1f1b", "accum2", "moe",
         "interleaved_zero_bubble", "zbv", "compile", "dp2", "dp_shard2", "tp2", "moe_ep2"])
-def test_pipeline_training_tracks_the_single_process_run(tmp_path, world, layout, options, per_rank, dp):
+def test_pipeline_training_tracks_the_single_process_run(tmp_path, singles, world, layout, options, per_rank, dp):
     accum = 2 if "trainer.grad_accum=2" in layout else 1
-    single = train_in_process(tmp_path / "single", options + [f"trainer.batch_size={per_rank * dp * accum}",
-                                                              "eval.interval=5"])
-    run_distributed(_train_worker, world, str(tmp_path / "par"),
-                    options + layout + [f"trainer.batch_size={per_rank}", "eval.interval=5"])
+    single_dir = singles(options + [f"trainer.batch_size={per_rank * dp * accum}"])
+    single = read_metrics(single_dir)
+    run_distributed(_train_worker, world, str(tmp_path / "par"), options + layout + [f"trainer.batch_size={per_rank}"])
     piped = read_metrics(tmp_path / "par")
     assert_tracks(losses(piped), losses(single), 1e-5)
     assert_tracks(losses(piped, "optim/grad_norm"), losses(single, "optim/grad_norm"), 1e-5)
-    assert_same_final_parameters(tmp_path / "single", tmp_path / "par", 1e-5)
+    assert_same_final_parameters(single_dir, tmp_path / "par", 1e-5)
     health = [k for k in single[-1] if k.startswith(HEALTH)]
     assert any(k.startswith("model/output_rms/") for k in health) and any(k.startswith("val/") for k in health)
     if "optim.qk_clip.enabled=true" in options:
@@ -263,8 +278,9 @@ def _pp_layout(run_dir: Path, pp: int, mode: str, options: list[str]) -> None:
                         mode)
 
 
+# The same-layout resume also runs, as a real kill -9 under torchrun, in tests/test_faults.py.
 @pytest.mark.parametrize("saved, loaded", [
-    (2, 2),
+    pytest.param(2, 2, marks=pytest.mark.slow),
     (2, 1),
     pytest.param(1, 2, marks=pytest.mark.slow),
 ], ids=["pp2-resume", "pp2-to-1", "pp1-to-2"])
