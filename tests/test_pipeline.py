@@ -160,6 +160,21 @@ def test_a_bad_pipeline_is_one_line_with_exit_2_before_any_data_work(tmp_path, w
     assert list(tmp_path.iterdir()) == []  # no run dir, no cache
 
 
+@pytest.mark.slow
+def test_ns_method_auto_is_decided_together_when_a_stage_holds_no_muon_matrix(tmp_path):
+    """optim.muon.ns_method=auto times Newton-Schulz per matrix shape at start-up and every rank
+    joins rank 0's broadcast of the choice. A stage of the head alone (blocks split 2 | 0) holds
+    no Muon matrix: it used to skip the broadcast and leave rank 0 waiting in it."""
+    overrides = MUON + ["optim.muon.ns_method=auto", "parallel.pp=2", "parallel.pp_microbatches=2",
+                        "parallel.pp_layers_per_stage=[2,0]", "trainer.batch_size=4", "trainer.max_steps=2"]
+    run_distributed(_train_worker, 2, str(tmp_path), overrides)
+    import yaml
+
+    chosen = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())["optim"]["muon"]["ns_by_shape"]
+    assert chosen and set(chosen.values()) <= {"gram", "standard"}
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
 def assert_same_final_parameters(a: Path, b: Path, tol: float) -> None:
     """Every parameter of the two runs' final checkpoints (whole-model names, whatever layout
     saved them) within `tol` relative (the norm of the difference over the norm)."""

@@ -40,7 +40,7 @@ from trainer.progress import Progress
 from trainer.sinks import MetricSinks, set_aside_rows_after
 from trainer.build import build_pipeline_model, model_line, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
-from trainer.pipeline import PipelineRun
+from trainer.pipeline import PipelineRun, merged_over
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
 from trainer.skips import SkipCounter
 
@@ -91,9 +91,11 @@ class Trainer:
         # optim.muon.ns_method=auto: Gram or standard Newton-Schulz per matrix shape, timed once
         # here (or kept from the checkpoint), then recorded in the config the optimizer is built from.
         auto_ns = cfg.optim.name == "muon" and cfg.optim.muon.ns_method == "auto"
-        optim_cfg, ns_line = resolve_ns_method(
-            cfg.optim, muon_ns_shapes(self.model, cfg.optim, self.model_cfg, self.mesh) if auto_ns else {},
-            self.device, resumed["config"] if resumed is not None else None, self.mesh.host_group)
+        # Under a pipeline every stage decides for the shapes of all of them, together.
+        ns_shapes = merged_over(muon_ns_shapes(self.model, cfg.optim, self.model_cfg, self.mesh),
+                                self.mesh.pp_group) if auto_ns else {}
+        optim_cfg, ns_line = resolve_ns_method(cfg.optim, ns_shapes, self.device,
+                                               resumed["config"] if resumed is not None else None, self.mesh.host_group)
         self.cfg = cfg = replace(cfg, optim=optim_cfg)
         if ns_line is not None and self.speaks:
             log.info(ns_line)

@@ -10,6 +10,7 @@ loss window, the skip decision) runs unchanged.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
@@ -22,6 +23,15 @@ from parallel.comm import all_gather_object, all_reduce
 from parallel.mesh import Mesh
 from parallel.pipeline import Pipeline, PipelineSpec, check_schedule, stage_ids
 from trainer.config import TrainConfig
+
+
+def merged_over(counts: Counter, pp_group) -> Counter:
+    """The sum of every pipeline rank's `counts` (one object gather; `counts` itself without a
+    pipeline): what a start-up decision that all ranks take together must cover, where each
+    stage holds other layers (a stage may hold none of a kind)."""
+    if pp_group is None:
+        return counts
+    return sum((Counter(part) for part in all_gather_object(counts, pp_group, "setup")), Counter())
 
 
 def pipeline_spec(cfg: TrainConfig) -> PipelineSpec:
