@@ -178,13 +178,11 @@ class Pipeline:
         its inference runs every stage once, forward and backward, on uninitialised tensors.
         `forward_only`: a pipeline for evaluate() alone (a schedule that cannot evaluate is
         replaced by one that runs the same stages forward only)."""
-        self.spec = spec
         self.stages = [CountedStage(m, i, spec.num_stages, device, input_args=a, output_args=o, group=group)
                        for m, i, a, o in zip(modules, ids, input_args, output_args)]
-        self.n_microbatches = spec.microbatches
         cls = FORWARD_ONLY.get(spec.schedule, SCHEDULES[spec.schedule]) if forward_only else SCHEDULES[spec.schedule]
         stages = self.stages if issubclass(cls, PipelineScheduleMulti) else self.stages[0]
-        self.schedule = cls(stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = cls(stages, spec.microbatches, loss_fn=loss_fn, scale_grads=False)
 
     @property
     def has_first(self) -> bool:
