@@ -312,3 +312,14 @@ def test_pipeline_checkpoints_resume_and_move_between_pp_sizes(tmp_path, saved, 
     assert meta == ({"dp": 1, "tp": 1, "pp": 2} if saved == 2 else {"dp": 1, "tp": 1})
     _pp_layout(resumed, loaded, "train", [])
     assert_continues_like(straight, resumed, 0.0 if saved == loaded else 1e-5)
+
+
+def test_fsdp_keeps_gathered_blocks_to_the_backward_under_a_pipeline_unless_told():
+    """parallel.reshard_after_forward=null: true without a pipeline, false under one (each
+    micro-batch's backward would gather every block again); an explicit value wins."""
+    from trainer.config import ParallelConfig, reshard_after_forward
+
+    assert reshard_after_forward(ParallelConfig()) is True
+    assert reshard_after_forward(ParallelConfig(pp=2)) is False
+    assert reshard_after_forward(ParallelConfig(pp=2, reshard_after_forward=True)) is True
+    assert reshard_after_forward(ParallelConfig(reshard_after_forward=False)) is False
