@@ -2,14 +2,18 @@
 per node) and the model (from the seed alone, each rank drawing only its part)."""
 from __future__ import annotations
 
-from dataclasses import replace
+import logging
+import time
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from data.pipeline import PreparedData, prepare_data
 from data.sources import DataConfigError
+from eval.flops import device_peak_flops
 from model.activation_checkpoint import apply_activation_checkpointing
+from model.fp8 import FP8Report, convert_to_fp8, fp8_unsupported, refresh_weight_scales
 from model.gpt import GPT
 from model.init import InitRule, RankParts, materialize
 from model.moe import moe_layers
@@ -22,6 +26,8 @@ from trainer import device as dev
 from trainer.config import TrainConfig, reshard_after_forward
 from trainer.pipeline import StagePlan, stage_modules, stage_plan
 
+log = logging.getLogger("trainer")
+
 
 def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> GPT:
     """This rank's part of the model of seed `cfg.seed`: its TP shard, its experts under EP,
@@ -32,11 +38,18 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.dev
     tensor whole and keeps this rank's part: every layout holds exactly the weights of the
     single-process model of the same seed, and start-up memory does not grow with the model.
     """
-    return build_pipeline_model(cfg, vocab_size, mesh, device)[0]
+    return build_pipeline_model(cfg, vocab_size, mesh, device).model
 
 
-def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh,
-                         device: torch.device) -> tuple[GPT, list[StageModule], Optional[StagePlan]]:
+@dataclass
+class BuiltModel:
+    model: GPT
+    stages: list[StageModule]  # this rank's pipeline stages ([] without a pipeline)
+    plan: Optional[StagePlan]  # None without a pipeline
+    fp8: FP8Report  # what trainer.fp8 converted
+
+
+def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> BuiltModel:
     """build_model, and under a pipeline (parallel.pp > 1) this rank's stages: the model then
     holds only their layers, under their whole-model names, and each stage is its own FSDP2
     root. Without one: the model, no stages, no plan."""
@@ -49,6 +62,11 @@ def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh,
         keep_stages(model, plan.blocks, plan.holds_first, plan.holds_last)
     model = parallelize_tp(model, mesh.tp_group, split_experts=mesh.ep == 1)
     model = parallelize_moe(model, mesh.ep_group, mesh.tp_group, mesh.dp_group)
+    # FP8 swaps the linears on the meta model, before FSDP2 wraps them: its float8 all-gather
+    # is set up on the weights FSDP2 then shards (model/fp8.py). A GPU without float8 units stops here.
+    if cfg.trainer.fp8 != "none" and (reason := fp8_unsupported(device)) is not None:
+        raise dev.DeviceError(f"trainer.fp8={cfg.trainer.fp8}: {reason}")
+    fp8 = convert_to_fp8(model, cfg.trainer.fp8, cfg.trainer.fp8_filter, mesh.layout.dp_shard > 1, device)
     # Checkpoint wrapping before FSDP2 (and compile, later, per block): the order that composes.
     apply_activation_checkpointing(model, cfg.trainer.activation_checkpointing)
     stages = stage_modules(model, plan) if plan is not None else []
@@ -65,7 +83,9 @@ def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh,
                        mine, fsdp_mesh(mesh.expert_mesh, "expert_shard") if mine else None)
     materialize(model, logical_shapes, InitRule.of(model_cfg, cfg.seed), device,
                 RankParts.of(mesh.tp_group, mesh.ep_group))
-    return model, stages, plan
+    if fp8.all_gather:  # the scales of the weights just drawn, for the first forward's all-gather
+        refresh_weight_scales(stages or [model])
+    return BuiltModel(model, stages, plan, fp8)
 
 
 def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
@@ -108,3 +128,21 @@ def model_line(name: str, params: list[torch.Tensor], mesh: Mesh, tokens_per_ste
     return (f"model {name}: {total / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this rank; mesh "
             f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} ep={layout.ep}; "
             f"{tokens_per_step} tokens per step; corpus {corpus_id}")
+
+
+def measured_peak_flops(device: torch.device, precision: str, speaks: bool) -> float:
+    """This device's matmul FLOP/s in `precision`, measured once at start-up (perf/mfu's
+    denominator where trainer.peak_tflops is 0).
+
+    The ranks measure together (hence the barrier), so ranks sharing a machine measure the
+    share of it they will train with, not a moment when the others were idle.
+    """
+    barrier(world(), "setup")
+    if speaks:
+        log.info("measuring this device's %s matmul peak for perf/mfu (trainer.peak_tflops=<TFLOP/s> "
+                 "skips it)", precision)
+    start = time.perf_counter()
+    peak = device_peak_flops(device, precision)
+    if speaks:
+        log.info("peak measured in %.1fs", time.perf_counter() - start)
+    return peak

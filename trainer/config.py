@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig
 from model.config import CHECKPOINTING_MODES, ModelConfig
+from model.fp8 import FP8_FILTERS, FP8_RECIPES
 from optim.config import OptimConfig
 from optim.muon import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
@@ -71,6 +72,13 @@ class TrainerConfig:
     # the outputs of attention, of every other matmul and of communication, and reruns the
     # pointwise work. Applied before compile and FSDP2, which wrap the checkpointed blocks.
     activation_checkpointing: str = "none"
+    # FP8 matmuls in the blocks' linear layers, through torchao (model/fp8.py): "none",
+    # "rowwise" or "tensorwise" (under FSDP2 also a float8 all-gather of the weights). The
+    # weights, their gradients and the optimizers stay in high precision.
+    fp8: str = "none"
+    # Which block linears FP8 takes: "auto", those large enough for FP8 to pay on an H100 (the
+    # rule in model/fp8.py); "all", every one whose dimensions are multiples of 16.
+    fp8_filter: str = "auto"
 
 
 @dataclass
@@ -300,6 +308,13 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.device", t.device, ("auto", "cpu", "cuda"))
     _choice("trainer.nonfinite", t.nonfinite, ("skip", "stop"))
     _choice("trainer.activation_checkpointing", t.activation_checkpointing, CHECKPOINTING_MODES)
+    _choice("trainer.fp8", t.fp8, FP8_RECIPES)
+    _choice("trainer.fp8_filter", t.fp8_filter, FP8_FILTERS)
+    if t.fp8 != "none" and cfg.parallel.tp > 1:
+        raise ConfigError(
+            f"trainer.fp8={t.fp8} does not apply under parallel.tp={cfg.parallel.tp}: torchao converts nn.Linear "
+            "layers, and the TP layers are hand-written (parallel/tp_layers.py); use FSDP2 or ZeRO-1, or trainer.fp8=none"
+        )
     _positive("model.loss_chunks", m.loss_chunks)
     _positive("trainer.nonfinite_max_consecutive", t.nonfinite_max_consecutive)
     if not t.peak_tflops >= 0:  # also rejects NaN

@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 from data.atomic import atomic_output
 from data.loader import TrainBatches
 from eval.evaluate import gather_stage_metrics
-from eval.flops import device_peak_flops, train_flops_per_token
+from eval.flops import train_flops_per_token
 from eval.health import HealthStats
-from parallel.comm import COUNTER as COMM, barrier, region, world
+from parallel.comm import COUNTER as COMM, region
 from model.moe import balance_experts, reset_routing_stats
 from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
@@ -38,7 +38,8 @@ from trainer.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.progress import Progress
 from trainer.sinks import MetricSinks, set_aside_rows_after
-from trainer.build import build_pipeline_model, model_line, prepare_data_once
+from model.fp8 import refresh_weight_scales
+from trainer.build import build_pipeline_model, measured_peak_flops, model_line, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
 from trainer.pipeline import PipelineRun, merged_over
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
@@ -84,7 +85,8 @@ class Trainer:
         dev.seed_everything(cfg.seed)
 
         self.data = prepare_data_once(cfg, self.mesh)
-        self.model, stages, plan = build_pipeline_model(cfg, self.data.vocab_size, self.mesh, self.device)
+        built = build_pipeline_model(cfg, self.data.vocab_size, self.mesh, self.device)
+        self.model, stages, plan, self.fp8 = built.model, built.stages, built.plan, built.fp8
         self.model_cfg = self.model.cfg
         self.sharded = self.mesh.layout.dp_shard > 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -129,7 +131,7 @@ class Trainer:
         self.tokens_per_step = self.global_batch * t.seq_len
         # perf/mfu = model FLOP/s / (world size * one device's peak).
         self.flops_per_token = train_flops_per_token(self.model_cfg, t.seq_len)
-        self.peak_flops = t.peak_tflops * 1e12 or self._measure_peak()
+        self.peak_flops = t.peak_tflops * 1e12 or measured_peak_flops(self.device, t.precision, self.speaks)
         self.train_batches = TrainBatches(self.data.train, t.seq_len, self.global_batch, cfg.seed)
         self.eval_sets, self.eval_counted, self.max_logit_batch = eval_sets(self)
         self.step = 0
@@ -148,6 +150,8 @@ class Trainer:
         self.dry_run = simulate.DryRunReport(cfg, self.mesh, self.device)
         if resumed is not None:
             checkpoint_state.restore(self, resumed)
+            if self.fp8.all_gather:
+                refresh_weight_scales(self.fsdp_roots)
             log.info("resumed from step %d", self.step)
             if self.speaks:
                 # Rows the stopped run logged past the checkpoint: this run logs those steps again.
@@ -172,6 +176,8 @@ class Trainer:
                     log.warning(line)
             log.info(self.data.startup_line())
             log.info(model_line(self.model_cfg.name, self.params, self.mesh, self.tokens_per_step, self.data.corpus_id))
+            if self.fp8.recipe != "none":
+                log.info(self.fp8.line())
             log.info(
                 "%.1f MFLOP per trained token; peak %.3f TFLOP/s per device (%s)",
                 self.flops_per_token / 1e6, self.peak_flops / 1e12,
@@ -188,22 +194,6 @@ class Trainer:
         this file what ran (bf16 or fp32), for anyone reading the run dir later."""
         with atomic_output(self.run_dir / "resolved_config.yaml") as f:
             f.write(OmegaConf.to_yaml(OmegaConf.create(self.resolved_config())).encode())
-
-    def _measure_peak(self) -> float:
-        """This device's matmul FLOP/s in trainer.precision, measured once at start-up.
-
-        The ranks measure together (hence the barrier), so ranks sharing a machine measure
-        the share of it they will train with, not a moment when the others were idle.
-        """
-        barrier(world(), "setup")
-        if self.speaks:
-            log.info("measuring this device's %s matmul peak for perf/mfu (trainer.peak_tflops=<TFLOP/s> "
-                     "skips it)", self.cfg.trainer.precision)
-        start = time.perf_counter()
-        peak = device_peak_flops(self.device, self.cfg.trainer.precision)
-        if self.speaks:
-            log.info("peak measured in %.1fs", time.perf_counter() - start)
-        return peak
 
     def autocast(self):
         return dev.autocast(self.device, self.cfg.trainer.precision)
@@ -251,6 +241,8 @@ class Trainer:
             self.optimizer.zero_grad()
             if self.qk_clip is not None:
                 self.qk_clip.apply(found_inf)
+            if self.fp8.all_gather:  # the float8 all-gather's scales, of the weights just written
+                refresh_weight_scales(self.fsdp_roots)
         forwards = t.grad_accum * (self.pipeline.plan.spec.microbatches if self.pipeline is not None else 1)
         moe = balance_experts(self.model, mesh.dp_group, self.model_cfg.bias_update_rate, forwards, found_inf)
         if measure:

@@ -1,0 +1,240 @@
+"""trainer.fp8 (model/fp8.py): which modules become float8, that the optimizers still see the
+fp32 weights, that a sharded run casts what one process casts, the step order of the float8
+all-gather's scales, and checkpoints that load with FP8 on or off.
+
+The CPU has no float8 units: torchao emulates the matmuls there (the same float8 casts, the
+product in fp32), so everything but the speed is what a GPU runs."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.fp8 import FP8Report, _convert_experts, convert_to_fp8, converts
+from model.gpt import GPT
+from model.moe import Experts
+from tests.conftest import compose
+from tests.distributed import run_distributed
+from tests.test_parallel_training import COMMON, losses, read_metrics, train_in_process
+from trainer import checkpoint_files
+from trainer.config import ConfigError, to_dataclass, validate
+
+CPU = torch.device("cpu")
+FP8 = ["optim=muon", "optim.muon.ns_dtype=fp32", "trainer.fp8=tensorwise", "trainer.fp8_filter=all"]
+
+
+def model_config(name: str) -> ModelConfig:
+    return replace(to_dataclass(compose([f"model={name}"])).model, vocab_size=512)
+
+
+def converted(model: nn.Module) -> set[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+@pytest.mark.parametrize("recipe, per_block", [
+    # wk and wv are 512 wide (8 kv heads of 64): below tensorwise's 1024 outputs at 2048 inputs
+    ("tensorwise", {"attn.wq", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"}),
+    # rowwise pays only past 2048 outputs: gate and up (8192 x 2048), not wq, wo, down (2048 out)
+    ("rowwise", {"mlp.w_gate", "mlp.w_up"}),
+])
+def test_the_auto_rule_picks_gpt_1b_linears_by_recipe(recipe, per_block):
+    cfg = model_config("gpt_1b")
+    with torch.device("meta"):
+        model = GPT(cfg, init_seed=0)
+    report = convert_to_fp8(model, recipe, "auto", False, CPU)
+    expected = {f"blocks.{i}.{name}" for i in range(cfg.n_layers) for name in per_block}
+    assert converted(model) == expected == set(report.linears)
+    assert len(report.left_out) == cfg.n_layers * 7 - len(expected)
+    assert f"{len(expected)} block linears in float8" in report.line()
+
+
+def test_the_rule_leaves_out_odd_shapes_and_everything_outside_the_blocks():
+    square = nn.Linear(64, 192, bias=False)
+    assert converts("tensorwise", "blocks.0.mlp.w_gate", square, "all")
+    assert not converts("tensorwise", "blocks.0.mlp.w_gate", square, "auto")  # too small to pay
+    assert not converts("tensorwise", "blocks.0.mlp.w_gate", nn.Linear(64, 200, bias=False), "all")  # 200 % 16
+    assert not converts("tensorwise", "head", nn.Linear(4096, 8192, bias=False), "all")
+    assert not converts("none", "blocks.0.mlp.w_gate", square, "all")
+    assert converts("rowwise", "blocks.3.mlp.w_up", nn.Linear(2048, 8192, bias=False), "auto")
+    assert not converts("rowwise", "blocks.3.mlp.w_up", nn.Linear(2048, 4096, bias=False), "auto")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.fp8=tensorwise", "parallel.tp=2"], ("trainer.fp8=tensorwise", "parallel.tp=2", "hand-written")),
+    (["trainer.fp8=e4m3"], ("trainer.fp8", "e4m3")),
+    (["trainer.fp8_filter=some"], ("trainer.fp8_filter", "some")),
+])
+def test_bad_fp8_settings_are_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        validate(to_dataclass(compose(overrides)))
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
+
+
+def test_experts_stay_in_bf16_off_hopper_and_the_start_up_line_says_why():
+    with torch.device("meta"):
+        model = GPT(model_config("moe_tiny"), init_seed=0)
+    report = convert_to_fp8(model, "tensorwise", "all", False, CPU)
+    assert report.experts.startswith("left in bf16") and "CUDA" in report.experts
+    assert "MoE experts (1 layers): left in bf16" in report.line()
+    assert all(type(p.data) is torch.Tensor for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_expert_weights_are_wrapped_for_the_float8_grouped_gemm_keeping_their_layout_marks():
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
+    experts = Experts(4, 32, 64)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_()
+    experts.w_gate.ep_split_dim = 0
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    _convert_experts([experts])
+    for name, param in experts.named_parameters():
+        assert isinstance(param.data, Float8TrainingWeightWrapperTensor), name
+        assert torch.equal(param.data.float(), before[name]), name
+    assert experts.w_gate.ep_split_dim == 0
+
+
+def test_float8_linears_quantise_while_the_optimizer_sees_fp32_weights_and_gradients():
+    cfg = replace(model_config("gpt_tiny"), vocab_size=256)
+    torch.manual_seed(0)
+    plain = GPT(cfg, init_seed=0)
+    fp8 = GPT(cfg, init_seed=0)
+    report = convert_to_fp8(fp8, "tensorwise", "all", False, CPU)
+    assert len(report.linears) == cfg.n_layers * 7
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        ref, out = plain(idx), fp8(idx)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 1e-3 < rel < 0.1, rel  # float8's 3 mantissa bits, not bf16's 8 nor nothing
+    fp8(idx, idx).backward()
+    for name, p in fp8.named_parameters():
+        assert type(p.data) is torch.Tensor and p.dtype == torch.float32, name
+        assert type(p.grad) is torch.Tensor and p.grad.dtype == torch.float32, name
+
+
+def _fsdp_fp8_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> dict:
+    """Train under FSDP2 with the float8 all-gather, recording the order of forwards, optimizer
+    steps and scale refreshes; return the final weights and how their scales compare."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    import trainer.loop as loop
+    from parallel.comm import all_gather_into
+    from parallel.mesh import build_mesh
+    from trainer.loop import Trainer
+
+    import trainer.build as build
+
+    events: list[str] = []
+    refresh = loop.refresh_weight_scales
+    recorded = lambda roots: (events.append("refresh"), refresh(roots))[1]  # noqa: E731
+    loop.refresh_weight_scales = build.refresh_weight_scales = recorded
+    try:
+        cfg = to_dataclass(compose(COMMON + overrides))
+        trainer = Trainer(cfg, Path(run_dir), build_mesh(1, dp_shard=cfg.parallel.dp_shard))
+        step = trainer.optimizer.step
+        trainer.optimizer.step = lambda *a, **k: (events.append("step"), step(*a, **k))[1]
+        trainer.model.register_forward_pre_hook(lambda *_: events.append("forward"))
+        trainer.train()
+    finally:
+        loop.refresh_weight_scales = build.refresh_weight_scales = refresh
+    scales, weights = [], {}
+    for name, module in trainer.model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(weight, "_local_tensor") or not hasattr(weight._local_tensor, "_precomputed_scale"):
+            continue
+        local = weight.to_local()._tensor  # this rank's rows, in fp32
+        full = local.new_empty(weight.shape)  # gpt_tiny's rows split evenly over 2 ranks
+        all_gather_into(full, local, trainer.mesh.device_mesh.get_group("dp_shard"))
+        expected = amax_to_scale(full.abs().max(), module.config.cast_config_weight.target_dtype,
+                                 module.config.round_scales_to_power_of_2)
+        scales.append((weight._local_tensor._precomputed_scale.item(), expected.item()))
+        weights[f"{name}.weight"] = full
+    return {"events": events, "scales": scales, "weights": weights, "all_gather": trainer.fp8.all_gather}
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp8_run(tmp_path_factory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("fsdp_fp8")
+    results = run_distributed(_fsdp_fp8_worker, 2, str(run_dir), FP8 + ["parallel.dp_shard=2", "trainer.batch_size=2"])
+    return run_dir, results[0]
+
+
+def test_fsdp2_with_the_float8_all_gather_tracks_the_single_process_run(tmp_path, fsdp_fp8_run):
+    run_dir, result = fsdp_fp8_run
+    assert result["all_gather"]
+    # The same micro-batches as the two ranks', so every float8 cast sees the same tensor.
+    single = train_in_process(tmp_path, FP8 + ["trainer.batch_size=2", "trainer.grad_accum=2"])
+    a, b = losses(read_metrics(run_dir)), losses(single)
+    assert len(a) == len(b) == 10
+    # Not 1e-5 as in fp32: the reduction order of the gradient average moves a weight by an ulp
+    # of fp32, and one that sits at a float8 rounding boundary then rounds a whole float8 step
+    # (6%) away; over 10 steps that grew to 3e-5. Unrounded scales (torchao's own precompute)
+    # or a stale scale would move the first step's loss already.
+    assert a[0] == b[0]
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= 1e-4 * abs(y), (step, x, y)
+
+
+def test_scales_are_recomputed_after_every_optimizer_step_and_before_the_next_forward(fsdp_fp8_run):
+    _, result = fsdp_fp8_run
+    events = result["events"]
+    steps = [i for i, e in enumerate(events) if e == "step"]
+    assert len(steps) == 10
+    assert events.index("refresh") < events.index("forward")  # the first all-gather has its scales
+    for i in steps:
+        following = events[i + 1:]
+        assert following and following[0] == "refresh", events[i:i + 3]
+    # The scale each weight's all-gather uses is the recipe's scale of the final weights.
+    assert len(result["scales"]) == 2 * 7
+    for precomputed, expected in result["scales"]:
+        assert precomputed == expected
+
+
+def test_checkpoints_hold_fp32_weights_that_load_with_fp8_on_or_off(tmp_path, fsdp_fp8_run):
+    from trainer.loop import Trainer
+
+    run_dir, result = fsdp_fp8_run
+    path = run_dir / "checkpoints" / "step_00000010"
+    params = checkpoint_files.load(path)["params"]
+    for name, full in result["weights"].items():
+        assert type(params[name]) is torch.Tensor and params[name].dtype == torch.float32, name
+        assert torch.equal(params[name], full), name
+    for fp8 in ("none", "tensorwise"):
+        options = [o for o in FP8 if not o.startswith("trainer.fp8=")]
+        cfg = to_dataclass(compose(COMMON + options + [f"trainer.fp8={fp8}", f"checkpoint.resume={path}",
+                                                       "trainer.max_steps=11"]))
+        trainer = Trainer(cfg, tmp_path / fp8)
+        assert trainer.step == 10
+        loaded = dict(trainer.model.named_parameters())
+        for name, full in params.items():
+            assert torch.equal(loaded[name].detach(), full), (fp8, name)
+        assert len(converted(trainer.model)) == (0 if fp8 == "none" else 14)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, options", [
+    ([], ["trainer.fp8=rowwise"]),  # ZeRO-1 over 2 data-parallel ranks (plain parameters; rowwise scales)
+    (["parallel.ep=2"], ["trainer.fp8=tensorwise", "model=moe_tiny", "trainer.seq_len=32"]),  # experts in bf16 on a CPU
+], ids=["zero1_rowwise", "moe_ep2"])
+def test_float8_under_zero1_and_ep_tracks_the_single_process_run(tmp_path, layout, options):
+    from tests.test_parallel_training import _train_worker
+
+    base = [o for o in FP8 if not o.startswith("trainer.fp8=")] + options
+    single = train_in_process(tmp_path / "single", base + ["trainer.batch_size=2", "trainer.grad_accum=2"])
+    run_distributed(_train_worker, 2, str(tmp_path / "par"), base + layout + ["trainer.batch_size=2"])
+    a, b = losses(read_metrics(tmp_path / "par")), losses(single)
+    assert len(a) == len(b) == 10
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= 1e-4 * abs(y), (step, x, y)
+
+
+def test_report_of_a_run_without_fp8():
+    report = FP8Report("none", (), (), False, "bf16")
+    assert report.line() == "fp8: off"
