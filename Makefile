@@ -10,7 +10,7 @@ SETUP ?= $(STAMP)
 # Extra Hydra overrides for `make run`, e.g. make run ARGS="model=gpt_small optim=adamw"
 ARGS ?=
 
-.PHONY: setup run test test-slow test-gpu test-all bench-gpu check-gpu clean
+.PHONY: setup run test test-slow test-gpu test-all bench-gpu check-gpu compare-gpu clean
 
 setup: $(STAMP)
 
@@ -50,19 +50,33 @@ bench-gpu: $(SETUP)
 		--optims muon --batch-size 8 --seq-len 2048 --warmup 3 --rounds 3 --steps 5 --census
 	$(PY) scripts/bench_optimizer.py --model gpt_124m --dtypes bf16 --warmup 5 --repeats 20
 
-# One GPU check that fits in 10 minutes on one H100/H200 (scripts/check_gpu.py): the tests of
-# test-gpu (on pytest-xdist workers where installed), bench-gpu's gpt_124m rows (also at 0.5M
-# tokens per step) beside the plain step of ../shared/bench/, the Newton-Schulz method table, the
-# Muon step, moe_1b, and one-rank dry runs of gpt_8b, moe_16b and gpt_1b beside the planner and the
-# FakeTensor estimate (scripts/dry_run_layouts.py; alone: scripts/check_gpu.py --only dry-runs).
-# Each step has its own time limit and runs whatever became of the ones
-# before; $(OUT_DIR)/summary.md is rewritten after each, beside each step's full log.
+# One GPU check that fits in 10 minutes on one H100/H200 (scripts/check_gpu.py; the steps, their
+# limits and the budget's arithmetic: scripts/check_gpu.py --dry-run). Beside test-gpu's tests (on
+# pytest-xdist workers where installed) run docs/results.md's reference comparison in bf16
+# (compare-gpu's runs, recorded and compared) and gpt_1b's loss after 200 steps in bf16 and FP8;
+# then, each alone on the GPU: the plain step of ../shared/bench/, bench-gpu's gpt_124m rows at
+# 16k tokens per step, the Muon step, gpt_1b in bf16 and FP8 with AdamW and Muon at the batch the
+# planner picks (tokens/s, MFU, peak memory), and moe_1b. summary.md states each goal against what
+# was measured. Steps the budget no longer fits (gpt_124m at 0.5M tokens, the Newton-Schulz method
+# table, the EP dispatch, the one-rank dry runs) run with scripts/check_gpu.py --only NAME.
+# Each step has its own time limit and runs whatever became of the ones before; after each,
+# $(OUT_DIR)/summary.md is rewritten beside each step's full log and the whole of $(OUT_DIR) is
+# packed into $(OUT_DIR).tar.gz, the one file to copy back (a killed check still leaves one).
+# FP8 needs torchao (bring its wheel as for Hydra: ../shared/GPU.md).
 # On a GPU image with its own torch: make check-gpu PY=python3 SETUP= OUT_DIR=/path/to/out
 # (PLAIN_STEP=/path/to/plain_gpt_step.py if it is neither in shared/bench/ nor ../shared/bench/).
 OUT_DIR ?= check-gpu
 PLAIN_STEP ?=
 check-gpu: $(SETUP)
 	$(PY) scripts/check_gpu.py --out $(OUT_DIR) $(if $(PLAIN_STEP),--plain $(PLAIN_STEP))
+
+# docs/results.md's reference comparison in bf16 on one GPU, in about 4 minutes
+# (scripts/reference_bf16.py): 15 gpt_small runs as 5 sweeps side by side, recorded into
+# docs/results/runs/bf16/ (what to commit) and compared into docs/results/bf16/ (the honest
+# ratio with its intervals). REPLACE=--replace overwrites records already there.
+REPLACE ?=
+compare-gpu: $(SETUP)
+	$(PY) scripts/reference_bf16.py $(REPLACE)
 
 test-all: $(SETUP)
 	$(PY) -m pytest

@@ -50,6 +50,8 @@ SAVED_OPS: dict[str, tuple[str, str]] = {
     "aten.addmm.default": (EVERY_OTHER, "projections with a bias"),
     "aten.bmm.default": (EVERY_OTHER, "batched products: the explicit attention's QK^T and PV"),
     "aten._grouped_mm.default": (EVERY_OTHER, "the routed experts' grouped products"),
+    "aten._scaled_mm.default": (EVERY_OTHER, "float8 projections (trainer.fp8 on a GPU)"),
+    "aten._scaled_grouped_mm.default": (EVERY_OTHER, "the experts' float8 grouped products (trainer.fp8)"),
     # Attention: quadratic in the sequence to recompute; its outputs (and logsumexp) are what
     # its backward needs.
     "aten._scaled_dot_product_flash_attention.default": (ALWAYS, "SDPA, flash kernel (CUDA)"),

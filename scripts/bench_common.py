@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from model.config import ModelConfig
 from optim.builder import muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
 from optim.newton_schulz import gram_macs, standard_macs, use_gram
@@ -255,3 +256,46 @@ def foreign_cores(before: tuple[int, int] | None, after: tuple[int, int] | None,
     hz = os.sysconf("SC_CLK_TCK")
     # Clamped: the two counters tick separately, so an idle machine can read a hair below 0.
     return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / hz / seconds)
+
+
+# ----------------------------------------------------------------------------- the planner's batch
+
+
+def hardware_for_device(device_name: str) -> str:
+    """The conf/hardware profile of a CUDA device, by the GPU model its name carries ("NVIDIA
+    H200" -> h200_sxm); ValueError naming the profiles when none matches."""
+    profiles = sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml"))
+    for name in profiles:
+        if name.split("_")[0].upper() in device_name.upper():
+            return name
+    raise ValueError(f"no conf/hardware profile for {device_name!r} (profiles: {', '.join(profiles)}); "
+                     "name one with --hardware or give --memory-gb")
+
+
+def planned_batch(cfg: ModelConfig, optims: list[str], seq_len: int, memory_bytes: float, checkpointing: str = "none",
+                  loss_chunks: int = 1, precision: str = "bf16", most: int = 4096) -> tuple[int, dict[str, float]]:
+    """The largest micro-batch (sequences of seq_len tokens) whose planned peak on one GPU fits
+    in memory_bytes for every optimizer in `optims`, by the planner's own rule (scripts/
+    plan_scale.py: eval/memory_plan.planned_memory's total at most the memory), and the
+    planned peak of each optimizer at it. (0, peaks at batch 1) when not even one sequence
+    fits. One batch for all of them, so that their rows compare at the same tokens per step."""
+    from eval.memory_plan import planned_memory
+    from parallel.mesh import Layout
+
+    def peaks(batch: int) -> dict[str, float]:
+        return {o: planned_memory(cfg, Layout(), o, batch, seq_len, checkpointing, loss_chunks, precision)["total"]
+                for o in optims}
+
+    def fits(batch: int) -> bool:
+        return max(peaks(batch).values()) <= memory_bytes
+
+    if not fits(1):
+        return 0, peaks(1)
+    lo, hi = 1, 2  # fits(lo); find a hi that does not, then bisect (the peak grows with the batch)
+    while hi <= most and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, most + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, peaks(lo)

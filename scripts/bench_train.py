@@ -6,6 +6,8 @@
     python scripts/bench_train.py --census ...        # + ops/kernels, host syncs, GPU busy, memory
     python scripts/bench_train.py --batch-size 16 --seq-len 1024 --tokens-per-step 16384 524288
     make bench-gpu                                    # the GPU benchmark: gpt_124m and moe_1b
+    python scripts/bench_train.py --models gpt_1b --precisions bf16 --fp8 none tensorwise \
+        --batch-size plan --seq-len 4096 --one-at-a-time --no-reference --modes compiled
 
 Every configuration runs the real Trainer's train step (forward, backward, clip, optimizer;
 no logging statistics) on the embedded corpus. Beside each dense model runs
@@ -28,71 +30,67 @@ aten ops per step (CPU) or device kernels per step (CUDA), host syncs per step, 
 of the step the GPU was busy, and peak memory (parameters and optimizer state, plus the most
 one step allocated on top of them).
 
+--fp8 RECIPE... runs ours with trainer.fp8=<recipe> too (none, rowwise, tensorwise: torchao's
+float8 matmuls in the blocks' linears, model/fp8.py); its rows read `bf16+fp8 <recipe>` in the
+precision column, and their MFU divides by the same bf16 peak, so an FP8 row's MFU over its
+bf16 row's is its speed-up. The reference has no FP8: ours / reference of an FP8 row is
+against the bf16 reference.
+
+--batch-size plan takes the micro-batch the planner picks for one GPU: the largest whose
+planned peak (eval/memory_plan.planned_memory, the rule of scripts/plan_scale.py) fits in the
+memory of the GPU's conf/hardware profile (--hardware, by default the one named after the CUDA
+device) or in --memory-gb, for every optimizer and precision of the run.
+
+--one-at-a-time builds, warms up, times and measures each configuration alone and frees it
+before the next: for models two of which do not fit in memory at once (gpt_1b at the planned
+batch). Its rounds are then not interleaved with the other configurations'. It adds a `peak
+GiB` column (without --census): the most memory allocated during the timed steps, the
+parameters and optimizer state included.
+
+--losses adds a table of each of our configurations' losses once timed: the steps it trained
+(warm-up, rounds and census steps alike), the last step's train loss and the val losses of
+Trainer.evaluate(). Every configuration starts from the same seed and sees the same batches,
+so at equal steps two rows differ only by their arithmetic (FP8 against bf16); pass
+trainer.max_steps=<steps> to give the lr schedule that length.
+
+How each configuration is built, warmed up, timed and measured: scripts/bench_train_runs.py.
+
 MFU = tokens/s x model FLOPs per token (eval/flops.py) / the matmul peak of this machine,
 measured in this run: F.linear on square operands in the same precision, before and after
 the training rounds (the higher of the two counts). All configurations are interleaved
-round by round (drifting machine load hits them alike) and reported as medians; the CPU
+round by round (drifting machine load hits them alike; not under --one-at-a-time) and
+reported as medians; the CPU
 time other processes used meanwhile is reported too.
 """
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from eval.flops import train_flops_per_token  # noqa: E402
-from eval.step_census import StepCensus, census, fmt  # noqa: E402
+from eval.scale_plan import Hardware  # noqa: E402
+from eval.step_census import fmt  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
-    cpu_snapshot, foreign_cores, linear_peak, machine_info, newton_schulz_flops, peak_size, percent_of_peak,
-    tensor_bytes,
+    hardware_for_device, linear_peak, machine_info, peak_size, percent_of_peak, planned_batch,
 )
-from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer  # noqa: E402
+from scripts.bench_train_runs import (  # noqa: E402
+    Contender, compose_config, plan_contenders, run_interleaved, run_one_at_a_time,
+)
 from scripts.refuse import refuse  # noqa: E402
-from trainer.config import register_configs, to_dataclass, validate  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
+from trainer.config import register_configs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class Contender:
-    model: str
-    impl: str  # "ours" or "reference"
-    mode: str  # "eager" or "compiled"
-    precision: str
-    optim: str  # ours: the optim config; the reference: always AdamW
-    grad_accum: int = 1  # micro-batches per optimizer step
-    tokens_per_step: int = 0
-    flops_per_token: int = 0
-    ns_flops: int = 0  # Newton-Schulz FLOPs per optimizer step (ours with Muon)
-    step: Optional[Callable[[], object]] = None
-    resident: Optional[Callable[[], int]] = None  # bytes of parameters + optimizer state
-    error: str = ""
-    notes: str = ""
-    times: list[float] = field(default_factory=list)
-    census: Optional[StepCensus] = None
-
-    @property
-    def key(self) -> tuple[str, str, str, str, str, int]:
-        return self.model, self.impl, self.optim, self.mode, self.precision, self.grad_accum
-
-    @property
-    def label(self) -> str:
-        return " ".join(map(str, self.key[:-1])) + (f" x{self.grad_accum}" if self.grad_accum > 1 else "")
 
 
 def grad_accum_for(tokens_per_step: int, batch_size: int, seq_len: int) -> int:
@@ -107,53 +105,40 @@ def grad_accum_for(tokens_per_step: int, batch_size: int, seq_len: int) -> int:
     return tokens_per_step // micro
 
 
-def one_line(err: BaseException) -> str:
-    """The error's first line, plus the underlying error torch.compile reports inside its
-    message ("... got RuntimeError('...')"), which is the part that says what failed."""
-    lines = str(err).strip().splitlines()
-    text = f"{type(err).__name__}: {lines[0][:160] if lines else ''}"
-    inner = re.search(r"got (\w+(?:Error|Exception)\(.{0,200}?\))", str(err))
-    if inner:
-        text += f" ({inner.group(1)})"
-    return text.replace("|", "/")  # it goes into a Markdown table cell
-
-
-def graph_breaks() -> int:
-    """torch.compile graph breaks so far in this process (every compiled model's)."""
-    from torch._dynamo.utils import counters
-
-    return sum(counters["graph_break"].values())
-
-
-def build_ours(c: Contender, args: argparse.Namespace, run_dir: Path) -> Trainer:
-    overrides = [
-        f"model={c.model}", f"trainer.precision={c.precision}",
-        f"trainer.compile={str(c.mode == 'compiled').lower()}",
-        f"trainer.batch_size={args.batch_size}", f"trainer.seq_len={args.seq_len}",
-        f"trainer.grad_accum={c.grad_accum}",
-        # The peak is measured by this script; a positive value spares each Trainer its own.
-        "trainer.peak_tflops=1", "trainer.max_steps=100000", f"trainer.device={args.device}",
-        "logger.wandb.mode=disabled", f"optim={c.optim}", *args.overrides,
-    ]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = to_dataclass(compose("config", overrides))
-    validate(cfg)
-    return Trainer(cfg, run_dir)
-
-
-def build_reference(ours: Trainer, c: Contender, args: argparse.Namespace) -> ReferenceTrainer:
-    m = ours.model_cfg
-    shape = ReferenceConfig(
-        vocab_size=m.vocab_size, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, max_seq_len=m.max_seq_len,
-        rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-    )
-    ref = ReferenceTrainer(shape, args.batch_size, args.seq_len, c.precision,
-                           compile=c.mode == "compiled", device=args.device, grad_accum=c.grad_accum)
-    n_ours, n_ref = ours.model.num_params(), sum(p.numel() for p in ref.model.parameters())
-    if n_ours != n_ref:
-        raise RuntimeError(f"reference has {n_ref} parameters, ours {n_ours}: not the same shape")
-    return ref
+def plan_batch_size(args: argparse.Namespace) -> str:
+    """--batch-size plan: set args.batch_size to the planner's micro-batch for one GPU (one for
+    every model, optimizer and precision of the run: the smallest of theirs); the line that
+    says so. Refuses (exit 2) where no profile or memory is known, or not one sequence fits."""
+    try:
+        if args.memory_gb:
+            memory_gb, source = args.memory_gb, "--memory-gb"
+        else:
+            hardware = args.hardware or hardware_for_device(
+                torch.cuda.get_device_name() if args.device == "cuda" else args.device)
+            memory_gb, source = Hardware.load(hardware).hbm_gb, f"conf/hardware/{hardware}.yaml"
+    except (ValueError, FileNotFoundError) as err:
+        refuse(f"--batch-size plan: {err}")
+    optims = sorted({compose_config([f"optim={o}", *args.overrides]).optim.name for o in args.optims})
+    picks = []
+    for model in args.models:
+        base = compose_config([f"model={model}", f"trainer.seq_len={args.seq_len}", *args.overrides])
+        for precision in args.precisions:
+            try:
+                batch, peaks = planned_batch(replace(base.model, vocab_size=base.data.vocab_size), optims, args.seq_len,
+                                             memory_gb * 1e9, base.trainer.activation_checkpointing,
+                                             base.model.loss_chunks, precision)
+            except ValueError as err:  # an optimizer or precision the planner has no formula for
+                refuse(f"--batch-size plan: {err}")
+            picks.append((batch, model, precision, peaks))
+    batch, model, precision, peaks = min(picks, key=lambda p: p[0])
+    if batch == 0:
+        refuse(f"--batch-size plan: not one sequence of {args.seq_len} tokens of {model} fits in {memory_gb:g} GB "
+               f"(planned peak {max(peaks.values()) / 1e9:.1f} GB)")
+    args.batch_size = batch
+    return (f"Micro-batch from the planner: {batch} x {args.seq_len} tokens, the largest whose planned peak on one "
+            f"GPU (eval/memory_plan.planned_memory) fits in {memory_gb:g} GB ({source}) "
+            f"for {model} {precision}: planned peak " + ", ".join(f"{o} {v / 1e9:.1f} GB" for o, v in peaks.items())
+            + ".")
 
 
 def measure_peaks(precisions: list[str], args: argparse.Namespace) -> dict[str, float]:
@@ -173,12 +158,12 @@ def print_muon_vs_adamw(contenders: list[Contender], rate: dict[tuple, float]) -
     for c in contenders:
         if c.impl != "ours" or c.optim != "muon" or c.key not in rate:
             continue
-        adamw = rate.get((c.model, "ours", "adamw", c.mode, c.precision, c.grad_accum))
+        adamw = rate.get((c.model, "ours", "adamw", c.mode, c.arithmetic, c.grad_accum))
         if adamw is None:
             continue
         model_flops = c.flops_per_token * c.tokens_per_step
         share = c.ns_flops / model_flops
-        rows.append(f"| {c.model} | {c.mode} | {c.precision} | {c.tokens_per_step} | {c.grad_accum} "
+        rows.append(f"| {c.model} | {c.mode} | {c.arithmetic} | {c.tokens_per_step} | {c.grad_accum} "
                     f"| {c.ns_flops / 1e9:.1f} | {model_flops / 1e9:.1f} | {100 * share:.1f}% "
                     f"| {1 / (1 + share):.3f} | {rate[c.key] / adamw:.3f} |")
     if rows:
@@ -190,6 +175,15 @@ def print_muon_vs_adamw(contenders: list[Contender], rate: dict[tuple, float]) -
         print("\n".join(rows))
 
 
+def batch_size_arg(text: str) -> int:
+    """--batch-size: a positive number of sequences, or `plan` (0 until main() asks the planner)."""
+    if text == "plan":
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number of sequences nor plan")
+    return int(text)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """The command line, with --tokens-per-step turned into args.grad_accums (one per target).
     A target that is not a whole number of micro-batches exits here, before any work."""
@@ -197,13 +191,24 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--models", nargs="+", default=["gpt_small", "moe_small"])
     ap.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
     ap.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
-    ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    ap.add_argument("--batch-size", type=batch_size_arg, default=2,
+                    help="sequences per micro-batch, or `plan`: the planner's for one GPU (--hardware, --memory-gb)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--tokens-per-step", type=int, nargs="+", default=None,
                     help="tokens per optimizer step, reached by gradient accumulation over micro-batches "
                          "of --batch-size x --seq-len; several run side by side (default: one micro-batch)")
     ap.add_argument("--optims", nargs="+", default=["adamw"],
                     help="our trainer's optimizers (the reference's is AdamW)")
+    ap.add_argument("--fp8", nargs="+", default=["none"],
+                    help="trainer.fp8 recipes of ours (none, rowwise, tensorwise); each runs beside the others")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="build, time and free each configuration alone (models two of which do not fit at once)")
+    ap.add_argument("--losses", action="store_true",
+                    help="also print each of our configurations' steps trained, last train loss and val losses")
+    ap.add_argument("--hardware", default=None,
+                    help="conf/hardware profile for --batch-size plan (default: the one named after the CUDA device)")
+    ap.add_argument("--memory-gb", type=float, default=0.0,
+                    help="GPU memory for --batch-size plan (default: the hardware profile's hbm_gb)")
     ap.add_argument("--census", action="store_true",
                     help="also count ops/kernels, host syncs, GPU busy time and peak memory per step")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch reference")
@@ -216,6 +221,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--peak-repeats", type=int, default=5)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for our trainer")
     args = ap.parse_args(argv)
+    if args.batch_size == 0:  # plan: main() asks the planner once the configs can be composed
+        if args.tokens_per_step:
+            refuse("--tokens-per-step needs a --batch-size in sequences, not plan")
+        args.grad_accums = [1]
+        return args
     try:
         args.grad_accums = sorted({grad_accum_for(t, args.batch_size, args.seq_len)
                                    for t in args.tokens_per_step or [args.batch_size * args.seq_len]})
@@ -224,6 +234,68 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if any(o.split("=", 1)[0].lstrip("+") == "trainer.grad_accum" for o in args.overrides):
         refuse("set the accumulation with --tokens-per-step, not trainer.grad_accum")
     return args
+
+
+def extra_cells(c: Contender, args: argparse.Namespace) -> str:
+    """The census columns (--census), or --one-at-a-time's peak GiB, of one row."""
+    if args.census:
+        if c.census is None:
+            return " | | | |"
+        n = c.census
+        work_count = n.kernels if args.device == "cuda" else n.aten_ops
+        busy = f"{100 * n.busy_fraction:.0f}%" if n.busy_fraction is not None else "-"
+        peak = None if n.transient_peak_bytes is None else (c.resident() + n.transient_peak_bytes) / 2**30
+        return f" {fmt(work_count)} | {fmt(n.host_syncs, '.1f')} | {busy} | {fmt(peak, '.2f')} |"
+    if args.one_at_a_time:
+        return f" {fmt(None if c.peak_bytes is None else c.peak_bytes / 2**30, '.2f')} |"
+    return ""
+
+
+def print_table(contenders: list[Contender], args: argparse.Namespace, peaks: dict[str, float]) -> dict[tuple, float]:
+    """The result table; tokens/s by configuration key."""
+    work = "kernels/step" if args.device == "cuda" else "aten ops/step"
+    extra_head = ([work, "host syncs/step", "GPU busy", "peak GiB"] if args.census
+                  else ["peak GiB"] if args.one_at_a_time else [])
+    print("\n| model | impl | optim | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU "
+          f"| ours / reference |{''.join(f' {h} |' for h in extra_head)} notes |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+          + " ---: |" * len(extra_head) + " --- |")
+    rate = {c.key: c.tokens_per_step / statistics.median(c.times) for c in contenders if c.times}
+    refused = False
+    for c in contenders:
+        cells = [c.model, c.impl, c.optim, c.mode, c.arithmetic]
+        if c.key not in rate:
+            if c.error != "-":
+                print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | | | | | |" + " |" * len(extra_head)
+                      + f" {c.error} |")
+            continue
+        tps = rate[c.key]
+        gflops = tps * c.flops_per_token / 1e9
+        ref = rate.get((c.model, "reference", "adamw", c.mode, c.precision, c.grad_accum))
+        ratio = f"{tps / ref:.2f}" if c.impl == "ours" and ref else ""
+        print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | {statistics.median(c.times):.3f} "
+              f"| {tps:,.0f} | {gflops:.1f} | {percent_of_peak(gflops, peaks[c.precision])} | {ratio} |"
+              f"{extra_cells(c, args)} {c.notes} |")
+        refused |= gflops > peaks[c.precision]
+    if refused:
+        print(f"\nMFU above 100% is not printed: training outran the measured peak, so the peak is "
+              f"wrong (too small a matmul for this device?); re-run with a larger --peak-size than {args.peak_size}.")
+    return rate
+
+
+def print_losses(contenders: list[Contender]) -> None:
+    """--losses: each of our configurations' steps trained, last train loss and val losses."""
+    rows = [c for c in contenders if c.losses]
+    if not rows:
+        return
+    names = list(dict.fromkeys(k for c in rows for k in c.losses))
+    print("\nLosses once timed (the same seed and batches for every row):\n")
+    print("| model | optim | mode | precision | tokens/step | " + " | ".join(names) + " |")
+    print("| --- | --- | --- | --- | ---: |" + " ---: |" * len(names))
+    for c in rows:
+        cells = [f"{c.losses[k]:.0f}" if k == "steps trained" else f"{c.losses[k]:.4f}" if k in c.losses else ""
+                 for k in names]
+        print(f"| {c.model} | {c.optim} | {c.mode} | {c.arithmetic} | {c.tokens_per_step} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -236,142 +308,33 @@ def main() -> None:
     for k, v in machine_info().items():
         print(f"- {k}: {v}")
     print(f"- command: {' '.join(sys.argv)}")
+    if args.batch_size == 0:
+        print("\n" + plan_batch_size(args))
     peaks_before = measure_peaks(args.precisions, args)
 
-    contenders: list[Contender] = []
-    for model in args.models:
-        for mode in args.modes:
-            for precision in args.precisions:
-                for accum in args.grad_accums:
-                    tokens = accum * args.batch_size * args.seq_len
-                    contenders.extend(Contender(model, "ours", mode, precision, optim, accum, tokens)
-                                      for optim in args.optims)
-                    contenders.append(Contender(model, "reference", mode, precision, "adamw", accum, tokens))
-
+    contenders = plan_contenders(args)
     with tempfile.TemporaryDirectory() as tmp:
-        built: dict[tuple[str, str, str, int], Trainer] = {}
-        for c in contenders:
-            try:
-                if c.impl == "ours":
-                    trainer = build_ours(c, args, Path(tmp) / "_".join(map(str, c.key)))
-                    built[c.model, c.mode, c.precision, c.grad_accum] = trainer
-                    c.step = lambda t=trainer: t.train_step(measure=False)
-                    c.resident = lambda t=trainer: tensor_bytes(t.model.parameters()) + t.optimizer.state_bytes()
-                    c.tokens_per_step = trainer.tokens_per_step
-                    c.flops_per_token = trainer.flops_per_token
-                    if trainer.cfg.optim.name == "muon":
-                        c.ns_flops = newton_schulz_flops(trainer.model, trainer.cfg.optim.muon)
-                else:
-                    ours = built.get((c.model, c.mode, c.precision, c.grad_accum))
-                    if ours is None or args.no_reference or ours.model_cfg.n_experts > 0:
-                        c.error = "-"  # the reference is a dense model only
-                        continue
-                    ref = build_reference(ours, c, args)
-                    c.step = ref.step
-                    c.resident = lambda r=ref: tensor_bytes(r.model.parameters()) + tensor_bytes(
-                        v for state in r.opt.state.values() for v in state.values() if torch.is_tensor(v)
-                    )
-                    c.tokens_per_step = ref.tokens_per_step
-                    c.flops_per_token = train_flops_per_token(ours.model_cfg, args.seq_len)
-            except Exception as err:  # report it in the table; the other rows still run
-                c.error = one_line(err)
-        live = [c for c in contenders if c.step is not None and not c.error]
-
-        # Warm-up: compilation, first-touch allocations, kernel choice. Interleaved like the
-        # timed rounds, because compiled models of one class share torch.compile's code
-        # cache: compiling one can make another recompile at its next call.
-        breaks = {c.key: 0 for c in live}
-        for w in range(args.warmup):
-            for c in live:
-                if c.step is None:
-                    continue
-                t0, before = time.perf_counter(), graph_breaks()
-                try:
-                    c.step()
-                except Exception as err:
-                    c.error = ("compile failed: " if c.mode == "compiled" else "") + one_line(err)
-                    c.step = None
-                breaks[c.key] += graph_breaks() - before
-                print(f"  warm-up {w + 1}/{args.warmup} {c.label}: {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)
-        live = [c for c in live if c.step is not None]
-        for c in live:
-            if breaks[c.key]:
-                c.notes = f"{breaks[c.key]} graph break(s) while compiling"
-
-        foreign: list[float] = []
-        for r in range(args.rounds):
-            before, t_round = cpu_snapshot(), time.perf_counter()
-            for c in live:
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    c.step()
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                c.times.append((time.perf_counter() - t0) / args.steps)
-            t_round = time.perf_counter() - t_round
-            load = foreign_cores(before, cpu_snapshot(), t_round)
-            if load is not None:
-                foreign.append(load)
-            print(f"  round {r + 1}/{args.rounds}: {t_round:.1f} s", file=sys.stderr, flush=True)
-        if args.census:
-            for c in live:
-                try:
-                    c.census = census(c.step, torch.device(args.device))
-                except Exception as err:  # the table still prints; this row says why it has no census
-                    c.notes = (c.notes + "; " if c.notes else "") + "census failed: " + one_line(err)
+        run = run_one_at_a_time if args.one_at_a_time else run_interleaved
+        foreign = run(contenders, args, Path(tmp))
     peaks_after = measure_peaks(args.precisions, args)
     peaks = {p: max(peaks_before[p], peaks_after[p]) for p in args.precisions}
 
     per_step = ", ".join(f"{a * args.batch_size * args.seq_len} ({a} micro-batch{'es' if a > 1 else ''})"
                          for a in args.grad_accums)
+    rounds = "rounds, each configuration alone," if args.one_at_a_time else "interleaved rounds"
     print(f"\nMicro-batch {args.batch_size} x {args.seq_len} tokens; tokens per optimizer step: {per_step}; "
           f"ours: optim={'/'.join(args.optims)}"
+          f"{'; fp8=' + '/'.join(args.fp8) if args.fp8 != ['none'] else ''}"
           f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; reference: AdamW, the same micro-batches. "
-          f"{args.warmup} warm-up + {args.rounds} interleaved rounds x {args.steps} optimizer step(s), median.\n")
+          f"{args.warmup} warm-up + {args.rounds} {rounds} x {args.steps} optimizer step(s), median.\n")
     print(f"| precision | F.linear {args.peak_size}^2 GFLOP/s, before | after | peak used |")
     print("| --- | ---: | ---: | ---: |")
     for p in args.precisions:
         print(f"| {p} | {peaks_before[p]:.1f} | {peaks_after[p]:.1f} | {peaks[p]:.1f} |")
 
-    work = "kernels/step" if args.device == "cuda" else "aten ops/step"
-    census_head = f" {work} | host syncs/step | GPU busy | peak GiB |" if args.census else ""
-    print("\n| model | impl | optim | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU "
-          f"| ours / reference |{census_head} notes |")
-    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
-          + (" ---: | ---: | ---: | ---: |" if args.census else "") + " --- |")
-    rate: dict[tuple[str, str, str, str, str, int], float] = {}
-    refused = False
-    for c in contenders:
-        if c.times:
-            rate[c.key] = c.tokens_per_step / statistics.median(c.times)
-    for c in contenders:
-        cells = [c.model, c.impl, c.optim, c.mode, c.precision]
-        if c.key not in rate:
-            if c.error != "-":
-                print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | | | | | |"
-                      + (" | | | |" if args.census else "") + f" {c.error} |")
-            continue
-        tps = rate[c.key]
-        gflops = tps * c.flops_per_token / 1e9
-        ref = rate.get((c.model, "reference", "adamw", c.mode, c.precision, c.grad_accum))
-        ratio = f"{tps / ref:.2f}" if c.impl == "ours" and ref else ""
-        extra = ""
-        if args.census and c.census is None:
-            extra = " | | | |"
-        elif args.census:
-            n = c.census
-            work_count = n.kernels if args.device == "cuda" else n.aten_ops
-            busy = f"{100 * n.busy_fraction:.0f}%" if n.busy_fraction is not None else "-"
-            peak = None if n.transient_peak_bytes is None else (c.resident() + n.transient_peak_bytes) / 2**30
-            extra = f" {fmt(work_count)} | {fmt(n.host_syncs, '.1f')} | {busy} | {fmt(peak, '.2f')} |"
-        print("| " + " | ".join(cells) + f" | {c.tokens_per_step} | {statistics.median(c.times):.3f} "
-              f"| {tps:,.0f} | {gflops:.1f} | {percent_of_peak(gflops, peaks[c.precision])} | {ratio} |{extra} {c.notes} |")
-        refused |= gflops > peaks[c.precision]
-    if refused:
-        print(f"\nMFU above 100% is not printed: training outran the measured peak, so the peak is "
-              f"wrong (too small a matmul for this device?); re-run with a larger --peak-size than {args.peak_size}.")
+    rate = print_table(contenders, args, peaks)
     print_muon_vs_adamw(contenders, rate)
+    print_losses(contenders)
     per_model = {c.model: c.flops_per_token for c in contenders if c.impl == "ours" and c.flops_per_token}
     if per_model:
         print("\nModel FLOPs per trained token (eval/flops.py: 6 x active matmul weights + causal "

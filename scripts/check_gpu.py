@@ -2,57 +2,81 @@
 
     make check-gpu PY=python3 SETUP= OUT_DIR=/path/to/out     # on a GPU image with its own torch
     python3 scripts/check_gpu.py --out check-gpu --plain ../shared/bench/plain_gpt_step.py
-    python3 scripts/check_gpu.py --dry-run                     # the steps, commands and time limits
-    python3 scripts/check_gpu.py --only gpt_124m moe_1b        # some steps again
+    python3 scripts/check_gpu.py --dry-run                     # the steps, commands, limits and budget
+    python3 scripts/check_gpu.py --only gpt_1b moe_1b          # some steps again, optional ones too
 
-The steps, in this order, each in its own process with its own time limit:
+The steps, in this order, each in its own process group with its own time limit. Two run
+*alongside* the steps after them (they measure no speed, so they may share the GPU): they start,
+the next steps start at once, and the check waits for them before the first step that times
+something, which always has the machine to itself.
 
-  machine         GPU, driver, python, torch, CUDA, hydra, transformers, pytest-xdist, commit
+  machine         GPU, driver, python, torch, torchao, CUDA, hydra, transformers, pytest-xdist, commit
+  compare-bf16    alongside: docs/results.md's reference comparison in bf16 (scripts/reference_bf16.py:
+                  15 gpt_small runs as 5 sweeps side by side, recorded and compared, the honest ratio
+                  with its intervals), into <out>/compare-bf16/; goal: at most 240 s
+  gpt_1b-loss     alongside: bench_train.py --losses, gpt_1b eager, micro-batch 2 x 1024, Muon, bf16
+                  and FP8 from the same seed and batches, 200 steps each (lr schedule of 200 steps):
+                  train and val loss; goal: FP8 within 1% of bf16
   test-gpu        pytest -m gpu (what `make test-gpu` runs), on pytest-xdist workers where installed
-  plain           the plain step (plain_gpt_step.py) at batch 16 x 1024: the yardstick every
-                  tokens/s below is divided by; looked for at --plain, $PLAIN_STEP,
-                  shared/bench/ inside the repository and ../shared/bench/ beside it, and
-                  skipped, saying where it looked, when it is in none of them
-  gpt_124m        bench_train.py, our AdamW and Muon beside scripts/reference_gpt.py, compiled
-                  bf16, batch 16 x 1024 (16,384 tokens per optimizer step), with the census
-  gpt_124m_0.5M   the same at 524,288 tokens per optimizer step (32 micro-batches of 16 x 1024)
-  ns-method       bench_ns_method.py --dtype bf16 --stack 0: standard against Gram Newton-Schulz
-  muon-step       bench_optimizer.py at gpt_124m in bf16: the Muon step against its FLOP floor
-  moe_1b          bench_train.py, moe_1b with Muon, batch 8 x 2048 (fewer rounds than bench-gpu)
-  ep-dispatch     bench_ep_dispatch.py at moe_1b, 8 x 2048, bf16: expert parallelism's code path
-                  on a group of one rank against off (the dispatch's own cost, its host sync included)
-  dry-runs        dry_run_layouts.py: rank 0 of gpt_8b (dp_shard 8, full checkpointing), moe_16b
-                  (ep 8 x dp_shard 8) and gpt_1b (dp_shard 8; none, full, selective) run for real
-                  over fake process groups, their peak memory beside the planner and the
-                  FakeTensor estimate, and each rank's compute time per step
+  plain           the plain step (plain_gpt_step.py) at batch 16 x 1024: the yardstick of every
+                  tokens/s below; looked for at --plain, $PLAIN_STEP, shared/bench/ inside the
+                  repository and ../shared/bench/ beside it, and skipped, saying where it looked,
+                  when it is in none of them
+  gpt_124m        bench_train.py, our AdamW and Muon, compiled bf16, batch 16 x 1024 (16,384 tokens
+                  per optimizer step), without the reference and the census (time); goal: AdamW at
+                  least 1.00x the plain step
+  muon-step       bench_optimizer.py at gpt_124m in bf16: the Muon step against its FLOP floor;
+                  goal: at most 3.5 ms
+  gpt_1b          bench_train.py --one-at-a-time, gpt_1b compiled, bf16 and FP8 (--fp8, default
+                  tensorwise), AdamW and Muon, at the micro-batch the planner picks for the GPU
+                  (--batch-size plan: eval/memory_plan.planned_memory within the conf/hardware
+                  profile's memory; 15 x 4096 on an H200), 2 warm-up and 3 timed steps each:
+                  tokens/s, MFU, peak memory; goal: FP8 at least 1.2x bf16's tokens/s
+  moe_1b          bench_train.py, moe_1b with Muon, batch 8 x 2048; goal: MFU at least 35%
 
-The whole check has one time budget (--budget seconds). Every step runs whether or not an
-earlier one failed; its time limit is its own or what is left of the budget, whichever is less,
-and a step the budget can no longer fit is skipped, saying so. A step that runs past its limit
-is stopped with its whole process group (pytest-xdist workers, compile workers).
+FP8 recipe: tensorwise, not rowwise. At gpt_1b's width trainer.fp8_filter=auto (model/fp8.py,
+by torchao's own measurements) converts under rowwise only the MLP's w_gate and w_up, 48% of
+the model FLOPs, which would have to run 1.53x faster, casts included, for the step to reach
+1.2x; under tensorwise every block linear but wk and wv, 84% (1.25x suffices).
+
+Optional steps, left out of the default set because the budget no longer fits them (each runs
+with --only NAME): gpt_124m_0.5M (Muon / AdamW at 0.5M tokens per step: 0.984 on 2026-11-26;
+40 s), ns-method (bench_ns_method.py's table; muon-step's ns_method=auto row covers the goal;
+16 s), ep-dispatch (bench_ep_dispatch.py, expert parallelism's cost on one GPU; not a goal
+here; up to 120 s) and dry-runs (dry_run_layouts.py, one rank of gpt_8b, moe_16b and gpt_1b
+layouts over fake process groups beside the planner; up to 420 s, most of the budget alone).
+
+The budget (--budget, 530 s: one 10-minute command less wheels and copying): each step's
+expected seconds on an H200 (`expect_s`: measured on 2026-11-26 where the step ran then, else
+estimated) add up to about 520 s, the alongside steps counted as overlapping test-gpu;
+--dry-run prints the sum. Every step runs whether or not an earlier one failed; its time limit
+is its own or what is left of the budget, whichever is less, and a step the budget can no
+longer fit is skipped, saying so: moe_1b, last, is the first to go (its figures stand from two
+earlier runs). A step that runs past its limit is stopped with its whole process group.
 
 Written to --out (default $OUT_DIR, else check-gpu/): NN_<step>.log, each step's full output,
-and summary.md, rewritten after every step so that it is complete up to the step that ran
-last even if the check itself is killed: the machine, each step's result and time, the test
-counts with the names of failures, tokens/s against the plain step, Muon / AdamW at both
-batch sizes, the Muon step time, the Newton-Schulz method table and moe_1b's row.
+and summary.md, rewritten after every step so that it is complete up to the last step that
+ended even if the check itself is killed: the machine, each step's result and time, the test
+counts with the names of failures, tokens/s against the plain step, Muon / AdamW, the Muon step
+time, the gpt_1b table (bf16 against FP8), the bf16 comparison's tables, and a line per goal.
+After every step the whole of --out is also packed into one archive, --archive (default
+<out>.tar.gz beside it), so that a killed check still leaves one file to copy back.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -60,54 +84,13 @@ sys.path.insert(0, str(REPO))
 from scripts.check_gpu_logs import (  # noqa: E402  (re-exported: tests read them through this module)
     bench_rows, markdown_tables, muon_over_adamw, number, plain_figures, pytest_outcome, read, table_blocks,
 )
-PLAIN_NAME = "plain_gpt_step.py"
+from scripts.check_gpu_report import StepLog, goal_lines, section_compare, section_gpt_1b  # noqa: E402
+from scripts.check_gpu_steps import (  # noqa: E402  (re-exported: tests read them through this module)
+    DEFAULT_FP8, PLAIN_NAME, Step, expected_s, find_plain, plan,
+)
+from scripts.process_group import start, wait_or_stop  # noqa: E402
+
 DEFAULT_BUDGET_S = 530  # of one 10-minute command, leaving time to install wheels and copy logs back
-KILL_GRACE_S = 10  # after SIGTERM, before SIGKILL
-
-# Prints the machine; run as a step of its own, so the check's own process never touches CUDA.
-MACHINE_SNIPPET = r"""
-import importlib, platform, subprocess
-print("python", platform.python_version())
-try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-                          "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
-    print("nvidia-smi:", out or "no output")
-except (OSError, subprocess.SubprocessError) as err:
-    print("nvidia-smi: not run:", err)
-for name in ("torch", "triton", "hydra", "omegaconf", "transformers", "xdist"):
-    try:
-        print(name, getattr(importlib.import_module(name), "__version__", "?"))
-    except ImportError:
-        print(name, "absent")
-import torch
-print("torch cuda", torch.version.cuda, "| cuda available", torch.cuda.is_available(),
-      "| devices", torch.cuda.device_count())
-if torch.cuda.is_available():
-    p = torch.cuda.get_device_properties(0)
-    print("device 0:", p.name, f"{p.total_memory / 2**30:.0f} GiB, compute capability {p.major}.{p.minor}")
-try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True, timeout=30).stdout.strip()
-    print("commit", rev.stdout.strip() or "unknown (no git)", "+ uncommitted changes" if dirty else "")
-except (OSError, subprocess.SubprocessError):
-    print("commit unknown (no git)")
-"""
-
-
-@dataclass
-class Step:
-    name: str
-    what: str
-    argv: list[str]
-    limit_s: int  # the step's own time limit
-    min_s: int  # skipped when less than this is left of the budget
-    skip_reason: str = ""  # set when the step cannot run at all (e.g. the plain step is missing)
-    shown: str = ""  # the command as logs and --dry-run show it, where argv is unwieldy
-
-    @property
-    def command(self) -> str:
-        return self.shown or shlex.join(self.argv)
 
 
 @dataclass
@@ -129,101 +112,89 @@ class Check:
     results: list[Result] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    archive: Optional[Path] = None  # default: <out>.tar.gz
 
-
-# ----------------------------------------------------------------------------- the steps
-
-
-def find_plain(explicit: Optional[str]) -> tuple[Optional[Path], list[str]]:
-    """The plain step's path, and every place looked at (for the summary when none has it)."""
-    candidates = [explicit, os.environ.get("PLAIN_STEP"), str(REPO / "shared" / "bench" / PLAIN_NAME),
-                  str(REPO.parent / "shared" / "bench" / PLAIN_NAME)]
-    looked = [c for c in candidates if c]
-    return next((Path(c).resolve() for c in looked if Path(c).is_file()), None), looked
-
-
-def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int,
-         out: Path = Path("check-gpu")) -> list[Step]:
-    script = lambda name: str(REPO / "scripts" / name)  # noqa: E731
-    gpt_124m = [py, script("bench_train.py"), "--models", "gpt_124m", "--modes", "compiled",
-                "--precisions", "bf16", "--optims", "adamw", "muon", "--batch-size", "16", "--seq-len", "1024"]
-    # The marker expression is `make test-gpu`'s; -rfEs lists failures, errors and skip reasons.
-    tests = [py, "-m", "pytest", "-m", "gpu", "-q", "--tb=short", "-rfEs", "-p", "no:cacheprovider"]
-    if xdist_workers > 0:
-        tests += ["-n", str(xdist_workers)]
-    steps = [
-        Step("machine", "GPU, driver and library versions", [py, "-c", MACHINE_SNIPPET], 60, 5,
-             shown=f"{py} -c <MACHINE_SNIPPET of scripts/check_gpu.py>"),
-        Step("test-gpu", "pytest -m gpu" + (f", {xdist_workers} xdist workers" if xdist_workers else ", serial"),
-             tests, 200, 60),
-        Step("plain", "the plain step, batch 16 x 1024, compiled bf16",
-             [py, str(plain) if plain else PLAIN_NAME, "--muon"], 120, 45,
-             "" if plain else f"{PLAIN_NAME} not found (looked at: {', '.join(looked)}); "
-                              "set PLAIN_STEP or --plain"),
-        Step("gpt_124m", "bench_train gpt_124m, 16,384 tokens per optimizer step, census",
-             [*gpt_124m, "--warmup", "3", "--rounds", "3", "--steps", "10", "--census"], 200, 90),
-        # One optimizer step per round is 32 micro-batches, about a second on an H100.
-        Step("gpt_124m_0.5M", "bench_train gpt_124m, 524,288 tokens per optimizer step (32 micro-batches)",
-             [*gpt_124m, "--tokens-per-step", "524288", "--warmup", "2", "--rounds", "3", "--steps", "1"], 180, 60),
-        Step("ns-method", "bench_ns_method, bf16, whole stacks",
-             [py, script("bench_ns_method.py"), "--dtype", "bf16", "--stack", "0"], 90, 20),
-        Step("muon-step", "bench_optimizer gpt_124m, bf16",
-             [py, script("bench_optimizer.py"), "--model", "gpt_124m", "--dtypes", "bf16", "--warmup", "3",
-              "--repeats", "10"], 150, 30),
-        Step("moe_1b", "bench_train moe_1b with Muon, batch 8 x 2048",
-             [py, script("bench_train.py"), "--models", "moe_1b", "--modes", "compiled", "--precisions", "bf16",
-              "--optims", "muon", "--batch-size", "8", "--seq-len", "2048", "--warmup", "2", "--rounds", "2",
-              "--steps", "5", "--no-reference"], 200, 100),
-        Step("ep-dispatch", "bench_ep_dispatch moe_1b, batch 8 x 2048, bf16, EP path on against off",
-             [py, script("bench_ep_dispatch.py"), "--model", "moe_1b", "--batch", "8", "--seq-len", "2048",
-              "--warmup", "2", "--repeats", "5"], 120, 40),
-        # One rank of each large layout over fake process groups, beside the planner and the
-        # FakeTensor estimate (scripts/dry_run_layouts.py): does it fit, and its compute per step.
-        Step("dry-runs", "one-rank dry runs: gpt_8b dp_shard 8 full; moe_16b ep 8 x dp_shard 8; gpt_1b dp_shard 8 "
-             "none / full / selective", [py, script("dry_run_layouts.py"), "--out", str(out / "dry-runs"), "--timeout", "100"],
-             420, 120),
-    ]
-    return steps
+    @property
+    def archive_path(self) -> Path:
+        return self.archive or self.out.with_name(self.out.name + ".tar.gz")
 
 
 # ----------------------------------------------------------------------------- running
 
 
-def run_step(step: Step, log: Path, limit_s: float) -> tuple[Optional[int], float, bool]:
-    """(exit code, seconds, timed out). The step runs in a session of its own, so a timeout
-    stops its children too (pytest-xdist workers, torch.compile's worker processes)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    with open(log, "w") as f:
-        f.write(f"$ {step.command}\n")
-        f.flush()
-        try:
-            proc = subprocess.Popen(step.argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-        except OSError as err:  # e.g. no such python: this step fails, the next ones still run
-            f.write(f"[check_gpu: could not start: {err}]\n")
-            return 127, time.monotonic() - start, False
-        try:
-            rc = proc.wait(timeout=limit_s)
-            return rc, time.monotonic() - start, False
-        except subprocess.TimeoutExpired:
-            for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            f.write(f"\n[check_gpu: stopped after {limit_s:.0f} s, the step's time limit]\n")
-            return proc.returncode, time.monotonic() - start, True
+def launch(step: Step, log: Path) -> tuple[Optional[subprocess.Popen], IO[str]]:
+    """Start the step, its output into its log (the command first); no process when it cannot
+    start (e.g. no such python: this step fails, the next ones still run)."""
+    f = open(log, "w")
+    f.write(f"$ {step.command}\n")
+    f.flush()
+    try:
+        return start(step.argv, f, REPO), f
+    except OSError as err:
+        f.write(f"[check_gpu: could not start: {err}]\n")
+        return None, f
+
+
+def finish(proc: Optional[subprocess.Popen], f: IO[str], limit_s: float, started: float) -> tuple[Optional[int], float, bool]:
+    """(exit code, seconds, timed out) of a launched step, stopped with its whole process group
+    (pytest-xdist workers, torch.compile's workers) once `limit_s` from `started` have passed."""
+    rc, timed_out = (127, False) if proc is None else wait_or_stop(proc, limit_s - (time.monotonic() - started))
+    if timed_out:
+        f.write(f"\n[check_gpu: stopped after {limit_s:.0f} s, the step's time limit]\n")
+    f.close()
+    return rc, time.monotonic() - started, timed_out
+
+
+Beside = tuple[Result, Optional[subprocess.Popen], IO[str], float]  # an alongside step in flight
+
+
+def settle(r: Result, rc: Optional[int], seconds: float, timed_out: bool) -> None:
+    r.rc, r.seconds = rc, seconds
+    r.status = "timed out" if timed_out else ("ok" if r.rc == 0 else "failed")
+
+
+def report(check: Check, r: Result) -> None:
+    """The step's end: a progress line, summary.md and the archive."""
+    progress(check, f"{r.step.name}: {r.status}" + (f" (rc {r.rc})" if r.status == "failed" else "")
+             + (f" in {r.seconds:.0f} s" if r.seconds else "") + (f": {r.note}" if r.note else ""))
+    write_summary(check)
+    write_archive(check)
+
+
+def join(check: Check, beside: list[Beside], wait: bool = True) -> None:
+    """Report the alongside steps in flight that have ended (each stopped at its own limit),
+    and with `wait` wait for all of them. Polled, so each step's time is its own end's."""
+    while beside:
+        for item in list(beside):
+            r, proc, f, started = item
+            if proc is None or proc.poll() is not None or time.monotonic() - started >= r.limit_s:
+                settle(r, *finish(proc, f, r.limit_s, started))
+                report(check, r)
+                beside.remove(item)
+        if not wait or not beside:
+            return
+        time.sleep(0.2)
+
+
+def run_foreground(check: Check, r: Result, beside: list[Beside]) -> None:
+    """Run step `r` to its end or its limit, reporting the alongside steps as they end meanwhile."""
+    started = time.monotonic()
+    proc, f = launch(r.step, r.log)
+    while proc is not None and proc.poll() is None and time.monotonic() - started < r.limit_s:
+        join(check, beside, wait=False)
+        time.sleep(0.1)
+    settle(r, *finish(proc, f, r.limit_s, started))
 
 
 def run_all(check: Check, steps: list[Step]) -> list[Result]:
-    """Every step in turn, whatever became of the ones before; summary.md after each."""
+    """Every step in turn, whatever became of the ones before; summary.md and the archive after each."""
     check.out.mkdir(parents=True, exist_ok=True)
     check.results = [Result(s, check.out / f"{i:02d}_{s.name}.log") for i, s in enumerate(steps)]
+    beside: list[Beside] = []
     for r in check.results:
+        if r.step.timed and beside:
+            progress(check, "waiting for " + ", ".join(b[0].step.name for b in beside) + " (a timed step is next)")
+            join(check, beside)
         left = check.budget_s - (time.monotonic() - check.started)
         if r.step.skip_reason:
             r.status, r.note = "skipped", r.step.skip_reason
@@ -233,12 +204,15 @@ def run_all(check: Check, steps: list[Step]) -> list[Result]:
             r.limit_s = min(r.step.limit_s, left)
             r.status = "running"
             write_summary(check)
-            progress(check, f"{r.step.name}: running, time limit {r.limit_s:.0f} s")
-            r.rc, r.seconds, timed_out = run_step(r.step, r.log, r.limit_s)
-            r.status = "timed out" if timed_out else ("ok" if r.rc == 0 else "failed")
-        progress(check, f"{r.step.name}: {r.status}" + (f" (rc {r.rc})" if r.status == "failed" else "")
-                 + (f" in {r.seconds:.0f} s" if r.seconds else "") + (f": {r.note}" if r.note else ""))
-        write_summary(check)
+            progress(check, f"{r.step.name}: running{' alongside the next steps' if r.step.alongside else ''}, "
+                            f"time limit {r.limit_s:.0f} s")
+            if r.step.alongside:
+                started = time.monotonic()
+                beside.append((r, *launch(r.step, r.log), started))
+                continue
+            run_foreground(check, r, beside)
+        report(check, r)
+    join(check, beside)
     return check.results
 
 
@@ -362,7 +336,7 @@ def render(check: Check) -> str:
     by_name = {r.step.name: r for r in check.results}
     elapsed = time.monotonic() - check.started
     running = [r.step.name for r in check.results if r.status == "running"]
-    state = f"in progress: {running[0]} is running" if running else (
+    state = f"in progress: {', '.join(running)} {'is' if len(running) == 1 else 'are'} running" if running else (
         "finished" if all(r.status not in ("pending", "running") for r in check.results) else "in progress")
     out = [f"# GPU check ({check.started_at})", "",
            f"`{check.command}`: {state}, {elapsed:.0f} s of a {check.budget_s:.0f} s budget so far.", ""]
@@ -371,6 +345,8 @@ def render(check: Check) -> str:
         text = "\n".join(line for line in read(machine.log).splitlines()[1:] if line.strip())
         out += ["## Machine", "", "```text", text, "```", ""]
     out += steps_table(check)
+    logs = step_logs(check)
+    out += goal_lines(logs)
     if "test-gpu" in by_name:
         out += section_tests(by_name["test-gpu"])
     if {"plain", "gpt_124m", "gpt_124m_0.5M"} & by_name.keys():
@@ -378,11 +354,15 @@ def render(check: Check) -> str:
     if {"muon-step", "ns-method"} & by_name.keys():
         lines = muon_step_lines(by_name)
         out += ["## Muon step at gpt_124m (84 matrices), bf16", ""] + (lines or ["No figure found in the logs."]) + [""]
+    if {"gpt_1b", "gpt_1b-loss"} & by_name.keys():
+        out += section_gpt_1b(logs)
+    if "compare-bf16" in by_name:
+        out += section_compare(logs)
     if "muon-step" in by_name:
         out += section_tables("bench_optimizer.py, gpt_124m, bf16", by_name["muon-step"])
     if "ns-method" in by_name:
         out += section_tables("Newton-Schulz method (bench_ns_method.py --dtype bf16 --stack 0)", by_name["ns-method"])
-    for name in ("gpt_124m", "gpt_124m_0.5M", "moe_1b"):
+    for name in ("gpt_124m", "gpt_124m_0.5M", "moe_1b"):  # gpt_1b: its own section above
         if name in by_name:
             out += section_tables(f"bench_train.py: {by_name[name].step.what}", by_name[name], keep="| model |")
     if "dry-runs" in by_name:
@@ -390,6 +370,23 @@ def render(check: Check) -> str:
     if "ep-dispatch" in by_name:
         out += section_tables(f"bench_ep_dispatch.py: {by_name['ep-dispatch'].step.what}", by_name["ep-dispatch"])
     return "\n".join(out)
+
+
+def step_logs(check: Check) -> dict[str, StepLog]:
+    """Each step as scripts/check_gpu_report.py reads it: its log once it ran, else why not."""
+    return {r.step.name: StepLog("" if r.status in ("pending", "running", "skipped") else read(r.log),
+                                 not_run(r) if r.status in ("pending", "running", "skipped") else "",
+                                 r.seconds, r.step.what) for r in check.results}
+
+
+def write_archive(check: Check) -> None:
+    """The whole of --out as one .tar.gz, replaced whole: the file to copy back, even from a
+    check killed half-way."""
+    target = check.archive_path
+    tmp = target.with_name(target.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(check.out, arcname=check.out.name, filter=lambda info: None if info.name.endswith(".tmp") else info)
+    tmp.replace(target)
 
 
 def write_summary(check: Check) -> None:
@@ -407,6 +404,25 @@ def write_summary(check: Check) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def print_plan(steps: list[Step], left_out: list[Step], budget_s: float, out: Path, archive: Path, note: str) -> None:
+    """--dry-run: each step's command, limits and expected seconds, their expected total
+    against the budget, and the optional steps left out with the reason for each."""
+    print(f"budget {budget_s:.0f} s; output in {out}, archive {archive}")
+    if note:
+        print(note)
+    for s in steps:
+        how = "alongside the next steps, " if s.alongside else "timed, alone on the machine, " if s.timed else ""
+        print(f"\n{s.name} ({how}time limit {s.limit_s} s, skipped with under {s.min_s} s left, "
+              f"expected {s.expect_s} s): {s.what}")
+        print(f"  not run: {s.skip_reason}" if s.skip_reason else f"  $ {s.command}")
+    total = expected_s(steps)
+    print(f"\nexpected about {total:.0f} s of the {budget_s:.0f} s budget (alongside steps overlap the steps "
+          f"after them up to the next timed one){'' if total <= budget_s else ': OVER THE BUDGET'}")
+    for s in left_out:
+        print(f"\noptional, not run (--only {s.name}; time limit {s.limit_s} s, expected {s.expect_s} s): "
+              f"{s.what}: {s.optional}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT_DIR") or "check-gpu",
@@ -417,32 +433,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"seconds for the whole check (default {DEFAULT_BUDGET_S}, or $CHECK_BUDGET_S)")
     ap.add_argument("--xdist", type=int, default=12,
                     help="pytest-xdist workers for test-gpu where pytest-xdist is installed (0: serial)")
-    ap.add_argument("--only", nargs="+", default=None, help="run only these steps (machine always runs)")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="run only these steps, optional ones included (machine always runs)")
+    ap.add_argument("--fp8", default=DEFAULT_FP8, choices=("rowwise", "tensorwise"),
+                    help=f"trainer.fp8 recipe of the gpt_1b steps (default {DEFAULT_FP8})")
+    ap.add_argument("--archive", default=None, help="the .tar.gz of --out (default: <out>.tar.gz beside it)")
     ap.add_argument("--python", default=sys.executable, help="python of the steps (default: this one)")
-    ap.add_argument("--dry-run", action="store_true", help="print the steps and their commands; run nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the steps, their commands and the budget; run nothing")
     args = ap.parse_args(argv)
 
     plain, looked = find_plain(args.plain)
     workers = args.xdist if importlib.util.find_spec("xdist") is not None else 0
-    steps = plan(args.python, plain, looked, workers, Path(args.out).resolve())
+    every = plan(args.python, plain, looked, workers, Path(args.out).resolve(), args.fp8)
     if args.only:
-        unknown = set(args.only) - {s.name for s in steps}
+        unknown = set(args.only) - {s.name for s in every}
         if unknown:
             ap.error(f"--only: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
-                     + ", ".join(s.name for s in steps))
-        steps = [s for s in steps if s.name == "machine" or s.name in args.only]
+                     + ", ".join(s.name for s in every))
+    steps = [s for s in every if s.name == "machine" or (s.name in args.only if args.only else not s.optional)]
+    check = Check(Path(args.out).resolve(), args.budget, "scripts/check_gpu.py " + shlex.join(argv or sys.argv[1:]),
+                  archive=Path(args.archive).resolve() if args.archive else None)
     if args.dry_run:
-        print(f"budget {args.budget:.0f} s; output in {Path(args.out).resolve()}")
-        if args.xdist and not workers:
-            print("pytest-xdist is not installed here: test-gpu runs serially")
-        for s in steps:
-            print(f"\n{s.name} (time limit {s.limit_s} s, skipped with under {s.min_s} s left): {s.what}")
-            print(f"  not run: {s.skip_reason}" if s.skip_reason else f"  $ {s.command}")
+        print_plan(steps, [s for s in every if s.optional and s not in steps], args.budget, check.out,
+                   check.archive_path,
+                   "" if workers or not args.xdist else "pytest-xdist is not installed here: test-gpu runs serially")
         return 0
-
-    check = Check(Path(args.out).resolve(), args.budget, "scripts/check_gpu.py " + shlex.join(argv or sys.argv[1:]))
     results = run_all(check, steps)
-    progress(check, f"summary: {check.out / 'summary.md'}")
+    progress(check, f"summary: {check.out / 'summary.md'}; archive: {check.archive_path}")
     return 0 if all(r.status == "ok" for r in results if not r.step.skip_reason) else 1
 
 

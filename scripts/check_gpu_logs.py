@@ -102,3 +102,64 @@ def muon_over_adamw(rows: list[dict[str, str]]) -> dict[int, float]:
             for (optim, tokens) in rate if optim == "muon" and ("adamw", tokens) in rate}
 
 
+
+
+# ----------------------------------------------------------------------------- the goals' figures
+
+
+def planner_line(text: str) -> Optional[str]:
+    """bench_train.py --batch-size plan's line: the micro-batch the planner picked, and why."""
+    m = re.search(r"^Micro-batch from the planner: .*$", text, re.MULTILINE)
+    return m.group(0) if m else None
+
+
+def run_line(text: str) -> Optional[str]:
+    """bench_train.py's line of the micro-batch, tokens per step, warm-up and rounds."""
+    m = re.search(r"^Micro-batch \d+ x \d+ tokens; .*$", text, re.MULTILINE)
+    return m.group(0) if m else None
+
+
+def fp8_over_bf16(rows: list[dict[str, str]]) -> dict[str, tuple[str, float]]:
+    """{optimizer: (FP8 precision cell, its tokens/s over the bf16 row's)} of our bench rows."""
+    rate = {(r["optim"], r["precision"]): number(r["tokens/s"]) for r in rows
+            if r.get("impl") == "ours" and number(r.get("tokens/s", ""))}
+    return {optim: (prec, tps / rate[optim, "bf16"]) for (optim, prec), tps in rate.items()
+            if "+fp8" in prec and (optim, "bf16") in rate}
+
+
+def loss_rows(text: str) -> list[dict[str, str]]:
+    """bench_train.py --losses' rows: the table with a `steps trained` column."""
+    return [row for table in markdown_tables(text) for row in table if "steps trained" in row]
+
+
+def fp8_loss_change(rows: list[dict[str, str]], column: str) -> dict[str, tuple[str, float]]:
+    """{optimizer: (FP8 precision cell, (FP8 loss - bf16 loss) / bf16 loss)} in `column`."""
+    loss = {(r["optim"], r["precision"]): number(r.get(column, "")) for r in rows}
+    return {optim: (prec, value / loss[optim, "bf16"] - 1) for (optim, prec), value in loss.items()
+            if "+fp8" in prec and value is not None and loss.get((optim, "bf16"))}
+
+
+def muon_step_ms(text: str) -> dict[str, float]:
+    """bench_optimizer.py's bf16 row of the table against the Newton-Schulz floor: {column: ms}
+    for the floor and every variant's time (not their `x floor` multiples)."""
+    for table in markdown_tables(text):
+        for row in table:
+            if row.get("NS dtype") == "bf16" and "floor ms" in row:
+                return {k: v for k, v in ((k, number(v)) for k, v in row.items() if k.endswith(" ms")) if v is not None}
+    return {}
+
+
+def bench_row(rows: list[dict[str, str]], optim: str, tokens: Optional[int] = None,
+              precision: Optional[str] = None) -> Optional[dict[str, str]]:
+    """Our bench row of `optim` (at `tokens` per step, in `precision`, where given)."""
+    for r in rows:
+        if (r.get("impl") == "ours" and r.get("optim") == optim
+                and (tokens is None or number(r.get("tokens/step", "")) == tokens)
+                and (precision is None or r.get("precision") == precision)):
+            return r
+    return None
+
+
+def verdict(value: float, goal: float, at_least: bool = True) -> str:
+    """**met** or **not met**: `value` at least (or, at_least=False, at most) `goal`."""
+    return "**met**" if (value >= goal if at_least else value <= goal) else "**not met**"

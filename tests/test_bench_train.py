@@ -128,3 +128,33 @@ def test_newton_schulz_flops_count_what_muon_orthogonalises_under_split_heads_an
                         + 12 * gram_macs(d, h, 5) + 24 * standard_macs(d, h, 5))
     with pytest.raises(ValueError, match="no choice for 64x768 matrices"):
         newton_schulz_flops(model, MuonConfig(split_heads=True, ns_method="auto", ns_by_shape={"768x768": "gram"}))
+
+
+def test_batch_size_plan_leaves_the_batch_to_the_planner_and_refuses_an_accumulation(capsys):
+    args = parse_args(["--batch-size", "plan", "--seq-len", "4096", "--fp8", "none", "tensorwise", "--one-at-a-time"])
+    assert args.batch_size == 0 and args.grad_accums == [1] and args.fp8 == ["none", "tensorwise"]
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--batch-size", "plan", "--tokens-per-step", "65536"])
+    assert exit.value.code == 2 and "--tokens-per-step needs a --batch-size in sequences" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--batch-size", "plam"])
+
+
+def test_the_planner_picks_gpt_1b_s_micro_batch_for_one_gpu():
+    """The largest batch whose planned peak fits the profile's memory for both optimizers (AdamW,
+    with its two moments, is the larger): 15 sequences of 4096 on an H200, 8 on an H100."""
+    from eval.memory_plan import planned_memory, preset_config
+    from eval.scale_plan import Hardware
+    from parallel.mesh import Layout
+    from scripts.bench_common import hardware_for_device, planned_batch
+
+    cfg = preset_config("gpt_1b", 8192)  # the embedded corpus's vocabulary, what bench_train trains on
+    assert hardware_for_device("NVIDIA H200") == "h200_sxm" and hardware_for_device("NVIDIA H100 80GB HBM3") == "h100_sxm"
+    for device, expected in (("NVIDIA H200", 15), ("NVIDIA H100 80GB HBM3", 8)):
+        memory = Hardware.load(hardware_for_device(device)).hbm_gb * 1e9
+        batch, peaks = planned_batch(cfg, ["adamw", "muon"], 4096, memory)
+        assert batch == expected and max(peaks.values()) == peaks["adamw"] <= memory
+        assert planned_memory(cfg, Layout(), "adamw", batch + 1, 4096)["total"] > memory
+    assert planned_batch(cfg, ["adamw"], 4096, 1e9)[0] == 0  # not one sequence fits
+    with pytest.raises(ValueError, match="no conf/hardware profile"):
+        hardware_for_device("cpu")

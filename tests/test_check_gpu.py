@@ -4,14 +4,16 @@ with stand-in steps: every step runs after a failure or a timeout, the budget sk
 longer fits, and summary.md is there after every step."""
 from __future__ import annotations
 
+import re
 import signal
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-from scripts import check_gpu
+from scripts import check_gpu, check_gpu_logs, check_gpu_steps
 from scripts.check_gpu import Check, Result, Step
 
 # test_gpu.log, the end of `python3 -m pytest -m gpu -q -n 12 --tb=short -rfEs`.
@@ -182,16 +184,174 @@ def test_a_step_the_budget_no_longer_fits_is_skipped(tmp_path):
     assert results[1].status == "skipped" and "budget" in results[1].note
 
 
-def test_dry_run_names_every_step_and_a_missing_plain_step(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(check_gpu, "REPO", tmp_path / "repo")
+def test_dry_run_lists_the_default_steps_within_the_budget_and_the_optional_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(check_gpu_steps, "REPO", tmp_path / "repo")  # where find_plain looks
     monkeypatch.delenv("PLAIN_STEP", raising=False)
     assert check_gpu.main(["--dry-run", "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
-    for name in ("machine", "test-gpu", "plain", "gpt_124m", "gpt_124m_0.5M", "ns-method", "muon-step", "moe_1b",
-                 "ep-dispatch"):
-        assert f"\n{name} (time limit" in out
+    default = ("machine", "compare-bf16", "gpt_1b-loss", "test-gpu", "plain", "gpt_124m", "muon-step", "gpt_1b", "moe_1b")
+    starts = [out.index(f"\n{name} (") for name in default]
+    assert starts == sorted(starts)  # in this order
+    assert "\ncompare-bf16 (alongside the next steps, time limit 240 s" in out
+    assert "\ngpt_1b (timed, alone on the machine, time limit 200 s" in out
+    expected = int(re.search(r"expected about (\d+) s of the 530 s budget", out).group(1))
+    assert expected == 519 and "OVER THE BUDGET" not in out
+    for name in ("gpt_124m_0.5M", "ns-method", "ep-dispatch", "dry-runs"):  # listed, with the reason
+        assert re.search(rf"\noptional, not run \(--only {re.escape(name)}; .*: .*(budget|420 s)", out), name
     assert "plain_gpt_step.py not found" in out and str(tmp_path / "shared" / "bench") in out
-    assert "-m pytest -m gpu" in out and "--tokens-per-step 524288" in out
-    assert "bench_ns_method.py --dtype bf16 --stack 0" in out and "--models moe_1b" in out
-    assert "bench_ep_dispatch.py --model moe_1b" in out
+    assert "-m pytest -m gpu" in out and "--models moe_1b" in out
+    assert "reference_bf16.py --records " + str(tmp_path / "o" / "compare-bf16" / "records") in out
+    assert "--fp8 none tensorwise --optims adamw muon --batch-size plan --seq-len 4096 --one-at-a-time" in out
+    assert "--losses trainer.max_steps=200" in out and "--warmup 1 --rounds 1 --steps 199" in out
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
+
+
+def test_only_runs_an_optional_step_and_the_budget_arithmetic_overlaps_alongside_steps(tmp_path, capsys):
+    assert check_gpu.main(["--dry-run", "--out", str(tmp_path / "o"), "--only", "dry-runs", "--fp8", "rowwise"]) == 0
+    out = capsys.readouterr().out
+    assert "\ndry-runs (timed" in out and "\ngpt_1b (" not in out and "expected about 428 s" in out
+    step = lambda name, s, **kw: Step(name, "", ["true"], 1, 0, expect_s=s, **kw)  # noqa: E731
+    # 10, then 100 beside 30 + 20 (the timed step waits for it), then 5: 10 + 100 + 5
+    assert check_gpu.expected_s([step("a", 10), step("b", 100, alongside=True), step("c", 30), step("d", 20),
+                                 step("e", 5, timed=True)]) == 115
+    assert check_gpu.expected_s([step("a", 10), step("b", 100, alongside=True), step("c", 30)]) == 110
+
+
+# The logs of the new steps, in the form their scripts print. The figures are made up (no GPU
+# run of these steps exists yet); the tests check the summary's arithmetic on them.
+GPT_1B_LOG = """\
+Micro-batch from the planner: 15 x 4096 tokens, the largest whose planned peak on one GPU \
+(eval/memory_plan.planned_memory) fits in 141 GB (conf/hardware/h200_sxm.yaml) for gpt_1b bf16: planned peak \
+adamw 135.7 GB, muon 131.9 GB.
+
+Micro-batch 15 x 4096 tokens; tokens per optimizer step: 61440 (1 micro-batch); ours: optim=adamw/muon; \
+fp8=none/tensorwise; reference: AdamW, the same micro-batches. 2 warm-up + 1 rounds, each configuration alone, \
+x 3 optimizer step(s), median.
+
+| model | impl | optim | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU | ours / reference | peak GiB | notes |
+| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |
+| gpt_1b | ours | adamw | compiled | bf16 | 61440 | 1.536 | 40,000 | 269785.5 | 38.5% |  | 118.20 |  |
+| gpt_1b | ours | muon | compiled | bf16 | 61440 | 1.600 | 38,400 | 258994.1 | 37.0% |  | 114.90 |  |
+| gpt_1b | ours | adamw | compiled | bf16+fp8 tensorwise | 61440 | 1.229 | 50,000 | 337231.9 | 48.1% |  | 110.40 |  |
+| gpt_1b | ours | muon | compiled | bf16+fp8 tensorwise | 61440 | 1.391 | 44,160 | 297843.2 | 42.6% |  | 107.00 |  |
+"""
+
+GPT_1B_LOSS_LOG = """\
+Micro-batch 2 x 1024 tokens; tokens per optimizer step: 2048 (1 micro-batch); ours: optim=muon; \
+fp8=none/tensorwise trainer.max_steps=200; reference: AdamW, the same micro-batches. 1 warm-up + 1 interleaved \
+rounds x 199 optimizer step(s), median.
+
+| model | optim | mode | precision | tokens/step | steps trained | train/loss, last step | val/val/loss | val/ood_prose/loss |
+| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |
+| gpt_1b | muon | eager | bf16 | 2048 | 200 | 4.1234 | 4.5000 | 6.1000 |
+| gpt_1b | muon | eager | bf16+fp8 tensorwise | 2048 | 200 | 4.1301 | 4.5180 | 6.1100 |
+"""
+
+COMPARE_LOG = """\
+## In-run leading steps: A = muon lr=0.01 (3 seeds), B = adamw lr=0.001 (3 seeds)
+
+| loss | A final | B final | logged every | B steps | A steps | ratio B/A | at the final loss of |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |
+| val/val/loss | 3.9102 ± 0.0121 | 4.2811 ± 0.0070 | 24 | 240 | 140.2 | 1.712 ± 0.030 (95% CI 1.58 to 1.84) | B |
+
+## Schedule ratio: adamw with longer schedules vs A's final loss
+
+| loss | A final | B at 1x | B at 1.25x | B at 1.5x | B at 2x | schedule ratio B/A |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: |
+| val/val/loss | 3.9102 ± 0.0121 | 4.2811 ± 0.0070 | 4.1102 ± 0.0051 | 3.9950 ± 0.0040 | 3.8301 ± 0.0090 | 1.702 ± 0.041 (95% CI 1.53 to 1.88) |
+"""
+
+MUON_STEP_LOG = """\
+## Optimizer step against its Newton-Schulz FLOP floor
+
+| NS dtype | floor ms | ours ms | x floor | ours, compile_updates ms | x floor | ours, CUDA graphs ms | x floor | ours, compile_updates + CUDA graphs ms | x floor | ours, all three + ns_method=auto ms | x floor |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| bf16 | 2.40 | 9.81 | 4.09 | 7.02 | 2.93 | 6.90 | 2.88 | 6.05 | 2.52 | 6.17 | 2.57 |
+"""
+
+MOE_LOG = """\
+| model | impl | optim | mode | precision | tokens/step | step s | tokens/s | model GFLOP/s | MFU | ours / reference | notes |
+| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |
+| moe_1b | ours | muon | compiled | bf16 | 16384 | 0.185 | 88,497 | 165305.3 | 22.5% |  |  |
+"""
+
+
+def test_the_new_steps_readers():
+    rows = check_gpu.bench_rows(GPT_1B_LOG)
+    assert check_gpu_logs.fp8_over_bf16(rows) == {"adamw": ("bf16+fp8 tensorwise", pytest.approx(1.25)),
+                                                  "muon": ("bf16+fp8 tensorwise", pytest.approx(1.15))}
+    assert check_gpu_logs.planner_line(GPT_1B_LOG).startswith("Micro-batch from the planner: 15 x 4096 tokens")
+    assert check_gpu_logs.bench_row(rows, "muon", 61440, "bf16")["peak GiB"] == "114.90"
+    change = check_gpu_logs.fp8_loss_change(check_gpu_logs.loss_rows(GPT_1B_LOSS_LOG), "val/val/loss")
+    assert change == {"muon": ("bf16+fp8 tensorwise", pytest.approx(4.518 / 4.5 - 1))}
+    ms = check_gpu_logs.muon_step_ms(MUON_STEP_LOG)
+    assert ms["floor ms"] == 2.40 and ms["ours, all three + ns_method=auto ms"] == 6.17 and min(ms.values()) == 2.40
+    assert check_gpu_logs.verdict(1.2, 1.2) == "**met**" and check_gpu_logs.verdict(0.011, 0.01, False) == "**not met**"
+
+
+def test_summary_states_each_goal_against_the_new_steps_logs(tmp_path):
+    check = Check(tmp_path, 530, "scripts/check_gpu.py")
+    check.results = [
+        _result(tmp_path, "machine", "python 3.12.3\ntorchao 0.15.0\n"),
+        _result(tmp_path, "compare-bf16", COMPARE_LOG),
+        _result(tmp_path, "gpt_1b-loss", GPT_1B_LOSS_LOG),
+        _result(tmp_path, "test-gpu", PYTEST_LOG, "failed", 1),
+        _result(tmp_path, "plain", PLAIN_LOG),
+        _result(tmp_path, "gpt_124m", BENCH_LOG),
+        _result(tmp_path, "muon-step", MUON_STEP_LOG),
+        _result(tmp_path, "gpt_1b", GPT_1B_LOG),
+        _result(tmp_path, "moe_1b", MOE_LOG),
+    ]
+    check.results[1].seconds = 187.0
+    text = check_gpu.render(check)
+    goals = text[text.index("## The goals against this run"):text.index("## Tests")]
+    assert "6.17 ms (ours, all three + ns_method=auto), **not met**; fastest variant 6.05 ms" in goals
+    assert "floor 2.40 ms" in goals
+    assert "moe_1b with Muon, MFU at least 35%: 22.5% (88,497 tokens/s), **not met**" in goals
+    assert "at least 1.00x: **0.978** (577,695 against 590,518 tokens/s), **not met**" in goals
+    assert "adamw **1.250** (bf16+fp8 tensorwise), **met**; muon **1.150** (bf16+fp8 tensorwise), **not met**" in goals
+    assert "muon +0.40% (bf16+fp8 tensorwise), **met**" in goals
+    assert "at most 240 s: 187 s, **met**" in goals
+    # the gpt_1b table: the planner's batch, each row's ratio and goal, the loss rows
+    assert "Micro-batch from the planner: 15 x 4096 tokens" in text
+    assert "| bf16+fp8 tensorwise | adamw | 61440 | 50,000 | 48.1% | 110.40 | **1.250** | **met** |" in text
+    assert "| bf16 | muon | 61440 | 38,400 | 37.0% | 114.90 |  |  |" in text
+    assert "| bf16+fp8 tensorwise | muon | 200 | 4.1301 | 4.5180 | +0.40% | **met** |" in text
+    # the bf16 comparison: its honest ratio with the interval, verbatim
+    assert "Took 187 s (goal: at most 240 s)" in text
+    assert "| 1.702 ± 0.041 (95% CI 1.53 to 1.88) |" in text and "1.712 ± 0.030 (95% CI 1.58 to 1.84)" in text
+
+
+def test_goal_lines_say_why_a_figure_is_missing(tmp_path):
+    check = Check(tmp_path, 530, "scripts/check_gpu.py")
+    check.results = [_result(tmp_path, "machine", "python 3.12.3\n"),
+                     Result(Step("gpt_1b", "gpt_1b", ["true"], 1, 0), tmp_path / "gpt_1b.log", status="skipped",
+                            note="100 s left of the 530 s budget, needs 120 s"),
+                     _result(tmp_path, "moe_1b", "Traceback (most recent call last):\n", "failed", 1)]
+    text = check_gpu.render(check)
+    assert "FP8 tokens/s at least 1.2x bf16's: no figure (Not run: 100 s left of the 530 s budget" in text
+    assert "MFU at least 35%: no figure (no moe_1b row with an MFU in the log)" in text
+    assert "in at most 240 s: no figure (not planned in this check)" in text
+
+
+def test_alongside_steps_overlap_and_the_archive_holds_every_log(tmp_path):
+    marker = tmp_path / "alongside-ended"
+    steps = [
+        Step("beside", "", _python(f"import time, pathlib; time.sleep(1); pathlib.Path({str(marker)!r}).touch()"), 30,
+             0, alongside=True),
+        Step("next", "", _python(f"import pathlib, time; print('beside still running:', not pathlib.Path({str(marker)!r})"
+                                 ".exists(), flush=True); time.sleep(1.5)"), 30, 0),
+        Step("timed", "", _python(f"import pathlib; print('beside ended:', pathlib.Path({str(marker)!r}).exists())"), 30,
+             0, timed=True),
+    ]
+    check = Check(tmp_path / "out", 60, "test")
+    results = check_gpu.run_all(check, steps)
+    assert [r.status for r in results] == ["ok", "ok", "ok"]
+    assert "beside still running: True" in results[1].log.read_text()  # it ran while the first one slept
+    assert "beside ended: True" in results[2].log.read_text()  # the timed step waited for it
+    assert 1.0 <= results[0].seconds < 1.4 < results[1].seconds  # each step's time is its own
+    with tarfile.open(tmp_path / "out.tar.gz") as tar:
+        names = set(tar.getnames())
+        assert {"out/summary.md", "out/00_beside.log", "out/01_next.log", "out/02_timed.log"} <= names
+        summary = tar.extractfile("out/summary.md").read().decode()
+    assert "finished" in summary and "| timed |  | ok |" in summary
