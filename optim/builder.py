@@ -11,7 +11,7 @@ from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.muon import Muon, ns_shape
-from optim.newton_schulz import NSShape
+from optim.ns_method import NSShape
 from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import muon_split_rows, route_parameters

@@ -27,157 +27,20 @@ normalised on its own, so this equals per-matrix processing.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
 
 from parallel.comm import all_gather_into, group_rank, group_size
-from optim.newton_schulz import (
-    ADJUST_LR_MODES,
-    COEFFICIENTS,
-    NS_METHODS,
-    NSShape,
-    batch_chunk,
-    iteration_for,
-    momentum_update,
-    muon_scale,
-    newton_schulz,
-    reusable_buffer,
-)
-from optim import muon_fused, normuon
+from optim.newton_schulz import batch_chunk, newton_schulz, reusable_buffer
+from optim.muon_settings import matrix_layout, ns_by_shape_problem, validate_group
+from optim.ns_method import NSShape, iteration_for
+from optim import normuon
+from optim.muon_stack import StackItem, StackWork, StepGate
 from optim.newton_schulz_tp import newton_schulz_sharded
-from eval.fast_dtype import resolve_precision
-
-NS_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-}
-
-
-def parse_ns_dtype(value: Any) -> torch.dtype:
-    """torch.bfloat16 / torch.float32 / torch.float64, or one of the NS_DTYPES names."""
-    if isinstance(value, torch.dtype) and value in NS_DTYPES.values():
-        return value
-    if isinstance(value, str) and value.lower() in NS_DTYPES:
-        return NS_DTYPES[value.lower()]
-    raise ValueError(
-        f"optim.muon.ns_dtype must be bf16 or fp32 (or fp64, or the torch dtype), got {value!r}"
-    )
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def validate_group(group: dict[str, Any], shapes: Sequence[torch.Size] | None = None) -> None:
-    """Raises ValueError naming the config key of the first bad option; canonicalises ns_dtype.
-    `shapes`: the whole matrices' shapes, where the group's parameters are row shards of them
-    (a shard's rows need not be whole heads)."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        raise ValueError("optim.muon.lr (optim.lr) must be a Python float, not a tensor")
-    if not _is_number(lr) or lr < 0:
-        raise ValueError(f"optim.muon.lr (optim.lr) must be a finite number >= 0, got {lr!r}")
-    wd = group["weight_decay"]
-    if not _is_number(wd) or wd < 0:
-        raise ValueError(
-            f"optim.muon.weight_decay (optim.weight_decay) must be a finite number >= 0, got {wd!r}"
-        )
-    mu = group["momentum"]
-    if not _is_number(mu) or not 0.0 <= mu < 1.0:
-        raise ValueError(f"optim.muon.momentum must be in [0, 1), got {mu!r}")
-    if not isinstance(group["nesterov"], bool):
-        raise ValueError(f"optim.muon.nesterov must be a bool, got {group['nesterov']!r}")
-    steps = group["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
-        raise ValueError(f"optim.muon.ns_steps must be an int in [1, 100], got {steps!r}")
-    if group["coefficients"] not in COEFFICIENTS:
-        raise ValueError(
-            f"optim.muon.coefficients: unknown coefficient set {group['coefficients']!r} "
-            f"(expected classic or polar_express)"
-        )
-    if group["ns_dtype"] == "auto":
-        # The device's fast dtype (eval/fast_dtype.py). The defaults have no parameters yet:
-        # they keep "auto", and each group resolves it on its own parameters' device.
-        if group["params"]:
-            group["ns_dtype"] = resolve_precision("auto", group["params"][0].device).precision
-    if group["ns_dtype"] != "auto":
-        group["ns_dtype"] = parse_ns_dtype(group["ns_dtype"])
-    if group["adjust_lr"] not in ADJUST_LR_MODES:
-        raise ValueError(
-            f"optim.muon.adjust_lr: unknown mode {group['adjust_lr']!r} "
-            f"(expected one of {', '.join(ADJUST_LR_MODES)})"
-        )
-    eps = group["eps"]
-    if not _is_number(eps) or eps <= 0:
-        raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps!r}")
-    if group["ns_method"] not in NS_METHODS:
-        raise ValueError(
-            f"optim.muon.ns_method: unknown method {group['ns_method']!r} (expected {', '.join(NS_METHODS)})"
-        )
-    by_shape = group.get("ns_by_shape")
-    if by_shape is not None:
-        problem = ns_by_shape_problem(group["ns_method"], by_shape)
-        if problem is not None:
-            raise ValueError(problem)
-    if not isinstance(group["normuon"], bool):
-        raise ValueError(f"optim.muon.normuon must be a bool, got {group['normuon']!r}")
-    beta2 = group["normuon_beta2"]
-    if not _is_number(beta2) or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"optim.muon.normuon_beta2 must be in [0, 1), got {beta2!r}")
-    if group["tp_mode"] not in ("gather", "gram"):
-        raise ValueError(f"optim.muon.tp_mode: unknown mode {group['tp_mode']!r} (expected gather or gram)")
-    h = group["split_rows"]
-    if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 1):
-        raise ValueError(f"optim.muon.split_rows must be None or an int >= 1, got {h!r}")
-    for i, p in enumerate(group["params"]):
-        matrix_layout(p.shape if shapes is None else shapes[i], h)  # raises on unsupported shapes
-        if p.is_sparse:
-            raise ValueError("optim.muon: sparse parameters are not supported")
-
-
-def ns_by_shape_problem(method: str, by_shape: Mapping[str, str]) -> str | None:
-    """What is wrong with optim.muon.ns_by_shape (one line naming the key), or None."""
-    if not isinstance(by_shape, Mapping):
-        return f"optim.muon.ns_by_shape must map shapes to standard or gram, got {by_shape!r}"
-    if by_shape and method != "auto":
-        return f"optim.muon.ns_by_shape is read only with optim.muon.ns_method=auto, not {method}"
-    for key, value in by_shape.items():
-        try:
-            NSShape.parse(key)
-        except ValueError as err:
-            return str(err)
-        if value not in ("standard", "gram"):
-            return f"optim.muon.ns_by_shape.{key}: unknown value {value!r} (expected standard or gram)"
-    return None
-
-
-def matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
-    """(k, rows, cols): the parameter seen as k independent rows x cols matrices."""
-    if len(shape) not in (2, 3):
-        raise ValueError(
-            f"optim.muon: Muon takes 2-D [out, in] or 3-D [experts, out, in] parameters, "
-            f"got shape {list(shape)}; route it to AdamW"
-        )
-    k = shape[0] if len(shape) == 3 else 1
-    rows, cols = shape[-2], shape[-1]
-    if split_rows is not None and split_rows != rows:
-        if rows % split_rows:
-            raise ValueError(
-                f"optim.muon.split_rows={split_rows} does not divide the {rows} rows of a "
-                f"parameter of shape {list(shape)}"
-            )
-        k, rows = k * (rows // split_rows), split_rows
-    return k, rows, cols
-
 
 def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
     """The matrix dimension (0: rows, 1: cols) along which this parameter is a TP shard that
@@ -212,20 +75,6 @@ def _ns_view(rows: int, cols: int, split: int | None, group: dict[str, Any]) -> 
         return NSShape(rows, cols, split)
     tp = group_size(group["tp_group"])
     return NSShape(rows * tp, cols) if split == 0 else NSShape(rows, cols * tp)
-
-
-@dataclass
-class _Item:
-    """One parameter's contribution to a stack: matrices [offset, offset + k) of the stack."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    group: dict[str, Any]
-    k: int
-    rows: int
-    cols: int
-    normuon_v: Tensor | None = None  # NorMuon's second moment [k, rows, 1] or [k, 1, cols]
 
 
 class Muon(torch.optim.Optimizer):
@@ -350,8 +199,8 @@ class Muon(torch.optim.Optimizer):
         chosen = None if only is None else {id(p) for p in only}
 
         # Stack key: everything the Newton-Schulz result depends on besides the data.
-        stacks: dict[tuple, list[_Item]] = {}
-        tp_stacks: dict[tuple, list[_Item]] = {}  # TP shards that need the full matrix
+        stacks: dict[tuple, list[StackItem]] = {}
+        tp_stacks: dict[tuple, list[StackItem]] = {}  # TP shards that need the full matrix
         for group in self.param_groups:
             # Per (rows, cols, TP split): the settings with the iteration the group's method
             # resolves to for that shape, worked out once per shape, not per matrix.
@@ -375,7 +224,7 @@ class Muon(torch.optim.Optimizer):
                 elif beta2 is not None and state["normuon_v"].dtype != torch.float32:
                     # torch's load_state_dict casts state to the parameter's dtype; v stays fp32
                     state["normuon_v"] = state["normuon_v"].float()
-                item = _Item(p, p.grad, buf, group, k, rows, cols, state.get("normuon_v") if beta2 is not None else None)
+                item = StackItem(p, p.grad, buf, group, k, rows, cols, state.get("normuon_v") if beta2 is not None else None)
                 split = tp_gather_dim(p, group)
                 ns = settings.get((rows, cols, split))
                 if ns is None:
@@ -387,8 +236,8 @@ class Muon(torch.optim.Optimizer):
                 key = (rows, cols, p.dtype, p.device, ns, beta2)
                 stacks.setdefault(key, []).append(item)
 
-        gate = None if getattr(self, "found_inf", None) is None else _Gate.of(self.found_inf)
-        work = _Elementwise(gate, self.compile_updates, self.cautious_wd, self.cuda_graphs)
+        gate = None if getattr(self, "found_inf", None) is None else StepGate.of(self.found_inf)
+        work = StackWork(gate, self.compile_updates, self.cautious_wd, self.cuda_graphs)
         for (rows, cols, dtype, device, ns, beta2), items in stacks.items():
             _step_stack(items, rows, cols, dtype, device, ns, beta2, work)
         for (rows, cols, split, _, _, dtype, device, ns, beta2), items in tp_stacks.items():
@@ -443,24 +292,8 @@ class _NS:
         return _NS(steps, group["coefficients"], group["ns_dtype"], group["eps"], iteration)
 
 
-@dataclass(frozen=True)
-class _Gate:
-    """An on-device skip of the whole step, from `found_inf` (a 0-d float tensor, 1.0 when the
-    gradients are not finite), the attribute torch's optimizers read for the same purpose.
-    Nothing is read back to the host: a skipped step zeroes the gradients' copy before they
-    reach the momentum, keeps the momentum (factor 1) and gates the update and weight decay."""
-
-    skip: Tensor  # bool
-    keep: Tensor  # 1.0, or 0.0 to skip
-
-    @staticmethod
-    def of(found_inf: Tensor) -> "_Gate":
-        skip = found_inf != 0
-        return _Gate(skip, (~skip).to(torch.float32))
-
-
-def _normuon(items: list[_Item], ortho: Tensor, beta2: float | None, full_rows: int, full_cols: int,
-             work: "_Elementwise", split: int | None = None) -> None:
+def _normuon(items: list[StackItem], ortho: Tensor, beta2: float | None, full_rows: int, full_cols: int,
+             work: "StackWork", split: int | None = None) -> None:
     """NorMuon on a stack of orthogonalised updates (no-op without it), every item's v at once."""
     if beta2 is None:
         return
@@ -474,7 +307,7 @@ def _normuon(items: list[_Item], ortho: Tensor, beta2: float | None, full_rows: 
         torch._foreach_copy_([it.normuon_v for it in items], list(v.split([it.k for it in items])))
 
 
-def _step_tp_stack(items: list[_Item], split: int, ns: _NS, beta2: float | None, work: _Elementwise) -> None:
+def _step_tp_stack(items: list[StackItem], split: int, ns: _NS, beta2: float | None, work: StackWork) -> None:
     """Same-shape TP shards, orthogonalised as the full matrices they are parts of.
 
     tp_mode "gather": one TP all-gather of the whole stack along the split dimension,
@@ -505,8 +338,8 @@ def _step_tp_stack(items: list[_Item], split: int, ns: _NS, beta2: float | None,
 
 
 def _step_stack(
-    items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
-    beta2: float | None, work: _Elementwise,
+    items: list[StackItem], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
+    beta2: float | None, work: StackWork,
 ) -> None:
     """All rows x cols matrices of one step and setting: momentum into [N, rows, cols]
     stacks, batched Newton-Schulz, the parameter updates.
@@ -516,7 +349,7 @@ def _step_stack(
     momentum to parameter update while its data is still in cache (see batch_chunk).
     """
     limit = batch_chunk(min(rows, cols), max(rows, cols), ns.dtype, device)
-    run: list[_Item] = []
+    run: list[StackItem] = []
     for it in items:
         run.append(it)
         if limit is not None and sum(r.k for r in run) >= limit:
@@ -527,123 +360,26 @@ def _step_stack(
 
 
 def _step_run(
-    items: list[_Item], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
-    beta2: float | None, work: _Elementwise,
+    items: list[StackItem], rows: int, cols: int, dtype: torch.dtype, device: torch.device, ns: _NS,
+    beta2: float | None, work: StackWork,
 ) -> None:
     """Momentum into one [N, rows, cols] stack, one batched Newton-Schulz, the updates."""
     total = sum(it.k for it in items)
     # In the parameters' dtype: the Newton-Schulz input, then (in place) its output, so that
-    # the update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
+    # the eager update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
     # With CUDA graphs the stack stays at one address from step to step, so that its
     # recorded Newton-Schulz (which reads and writes it in place) can be replayed.
     stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device, persistent=work.graphs)
     work.momentum_into(items, stack)
-    ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=stack, keep=work.keep,
-                          graph=work.graphs, iteration=ns.iteration)
+    # The fused update of compile_updates reads a bf16 O in the same kernel as an fp32 one, so
+    # there the last iterate stays in the Newton-Schulz dtype: its last GEMM writes it once,
+    # instead of into a temporary then cast into the stack (a pass over the whole stack: 0.25 ms
+    # of gpt_124m's 6 ms step on an H200), and the update reads half the bytes. The same values:
+    # a bf16 O widens to fp32 exactly.
+    out = stack
+    if work.compiled and ns.dtype != dtype:
+        out = reusable_buffer("muon.ortho", total, rows, cols, ns.dtype, device, persistent=work.graphs)
+    ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=out, keep=work.keep,
+                          graph=work.graphs, iteration=ns.iteration, fused_normalise=work.compiled and not work.graphs)
     _normuon(items, ortho, beta2, rows, cols, work)
     work.apply_updates(items, ortho, rows, cols)
-
-
-def _stack_views(items: list[_Item], stack: Tensor) -> list[Tensor]:
-    """Each item's matrices [offset, offset + k) of `stack` [N, rows, cols], in its
-    parameter's shape (a view wherever the stack's strides allow it)."""
-    views, offset = [], 0
-    for it in items:
-        views.append(stack[offset : offset + it.k].reshape(it.param.shape))
-        offset += it.k
-    return views
-
-
-def _by_setting(items: list[_Item], setting: Callable[[_Item], tuple]) -> dict[tuple, list[int]]:
-    """Item indices grouped by `setting(item)`: one foreach call per distinct setting."""
-    out: dict[tuple, list[int]] = {}
-    for i, it in enumerate(items):
-        out.setdefault(setting(it), []).append(i)
-    return out
-
-
-class _Elementwise:
-    """Muon's elementwise work in one step: the momentum step into the Newton-Schulz stack,
-    and the weight decay and update after it. Eager for-each ops (a few launches per stack
-    whatever its size), or with `compiled` (optim/muon_fused.py) fused kernels that stream
-    each matrix through memory once per phase. Either honours the step's gate."""
-
-    def __init__(self, gate: _Gate | None, compiled: bool, cautious: bool = False, graphs: bool = False) -> None:
-        self.gate = gate
-        self.compiled = compiled
-        self.cautious = cautious
-        self.graphs = graphs  # Newton-Schulz through CUDA graphs (Muon's cuda_graphs)
-
-    @property
-    def keep(self) -> Tensor | None:
-        """What Newton-Schulz gates its result with (None: no gate)."""
-        return None if self.gate is None else self.gate.keep
-
-    def _keep_on(self, device: torch.device) -> Tensor:
-        return self.gate.keep if self.gate is not None else torch.ones((), device=device)
-
-    def momentum_into(self, items: list[_Item], stack: Tensor) -> None:
-        """Every item's momentum step, its Newton-Schulz input written into its part of `stack`.
-
-        With a gate, eagerly: the gradients are first copied into the stack and zeroed there
-        on a skipped step (NaN * 0 is NaN, so only overwriting removes a non-finite value),
-        and the momentum factor becomes 1, so the buffers come out unchanged. The stack then
-        holds momentum * buf, which Newton-Schulz's gate turns into a zero update.
-        """
-        outs = _stack_views(items, stack)
-        if self.compiled:
-            keep = self._keep_on(stack.device)
-            for (mu, nesterov), idx in _by_setting(items, _momentum_setting).items():
-                muon_fused.compiled(muon_fused.momentum_step)(
-                    [items[i].buf for i in idx], [items[i].grad for i in idx], [outs[i] for i in idx],
-                    mu, nesterov, keep,
-                )
-            return
-        gate = self.gate
-        if gate is not None:
-            torch._foreach_copy_(outs, [it.grad for it in items])
-            stack.masked_fill_(gate.skip, 0.0)
-        for (mu, nesterov), idx in _by_setting(items, _momentum_setting).items():
-            bufs, dst = [items[i].buf for i in idx], [outs[i] for i in idx]
-            if gate is None:
-                momentum_update(bufs, [items[i].grad for i in idx], dst, mu, nesterov)
-                continue
-            torch._foreach_mul_(bufs, torch.where(gate.skip, 1.0, mu))
-            torch._foreach_add_(bufs, dst)
-            if nesterov:
-                torch._foreach_add_(dst, bufs, alpha=mu)
-            else:
-                torch._foreach_copy_(dst, bufs)
-
-    def apply_updates(self, items: list[_Item], ortho: Tensor, rows: int, cols: int) -> None:
-        """p <- p * (1 - lr * wd) - lr * scale * O for every item, O its matrices of `ortho`
-        (scaled for the rows x cols matrix that was orthogonalised); with `cautious`, the decay
-        only where O * p > 0. A skipped step's O is zero already (so no cautious decay either);
-        the gate keeps the plain weight decay off too."""
-        updates = _stack_views(items, ortho)
-
-        # By param group, not by the values: the lists (and so the compiled variants) stay
-        # the same from step to step whatever the schedule does to lr.
-        for (_,), idx in _by_setting(items, lambda it: (id(it.group),)).items():
-            group = items[idx[0]].group
-            decay = group["lr"] * group["weight_decay"]
-            alpha = -group["lr"] * muon_scale(rows, cols, group["adjust_lr"])
-            params, upd = [items[i].param for i in idx], [updates[i] for i in idx]
-            if self.compiled:
-                keep = self._keep_on(ortho.device)
-                muon_fused.compiled(muon_fused.update_step)(
-                    params, upd, 1.0 - decay * keep, torch.full((), alpha, device=ortho.device), self.cautious
-                )
-                continue
-            if decay != 0 and self.cautious:
-                # 1 - decay where O and p agree in sign, else 1; from p before any change.
-                agree = torch._foreach_mul(upd, params)
-                factors = [(a > 0).to(a.dtype).mul_(-decay).add_(1.0) for a in agree]
-                torch._foreach_mul_(params, factors)
-            elif decay != 0:
-                torch._foreach_mul_(params, 1.0 - decay if self.gate is None else 1.0 - decay * self.gate.keep)
-            torch._foreach_add_(params, upd, alpha=alpha)
-
-
-def _momentum_setting(it: _Item) -> tuple[float, bool]:
-    return it.group["momentum"], it.group["nesterov"]

@@ -26,16 +26,15 @@ arithmetic the result is unchanged.
 from __future__ import annotations
 
 import math
-import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from optim import ns_graphs
+from optim import muon_fused, ns_graphs
+from optim.ns_method import GRAM_RESTART_AFTER, NS_METHODS, NSShape, check_iteration, use_gram
 
 Coefficient = tuple[float, float, float]
 
@@ -61,118 +60,6 @@ COEFFICIENTS: dict[str, list[Coefficient]] = {
 NORM_SAFETY: dict[str, float] = {"classic": 1.0, "polar_express": 1.02}
 
 ADJUST_LR_MODES = ("match_rms_adamw", "spectral", "none")
-# "auto": Gram or standard per matrix shape, as measured on the device (optim/ns_choice.py) and
-# handed over as `by_shape`.
-NS_METHODS = ("standard", "gram", "auto")
-# The two iterations a method resolves to per matrix shape (iteration_for).
-ITERATIONS = ("standard", "gram")
-
-# Gram Newton-Schulz restarts after these iterations (counted from 1). The authors restart
-# after the second: the first two steps grow the smallest singular values the most (by up to
-# a^2, 12x for classic and 33x for Polar Express), so Q's norm stays that small per segment.
-GRAM_RESTART_AFTER = (2,)
-
-
-def standard_macs(n: int, m: int, steps: int) -> int:
-    """Multiply-adds of `steps` standard iterations on an n x m matrix whose Gram matrix is
-    n x n: per step A = X X^T (n^2 m), A A (n^3) and B X (n^2 m)."""
-    return steps * (2 * n * n * m + n ** 3)
-
-
-def gram_macs(n: int, m: int, steps: int) -> int:
-    """Multiply-adds of Gram Newton-Schulz with its restarts, as _iterate_gram does it: R from
-    X (n^2 m) per segment; per step R^2 for Z, Z Q (not in a segment's first step) and Z R Z
-    (not in its last); at each restart and at the end, Q X (n^2 m)."""
-    starts = [0] + [r for r in GRAM_RESTART_AFTER if 0 < r < steps]
-    ends = starts[1:] + [steps]
-    total = 0
-    for lo, hi in zip(starts, ends):
-        total += n * n * m  # R = X X^T
-        for i in range(lo, hi):
-            total += n ** 3 + (n ** 3 if i > lo else 0) + (2 * n ** 3 if i < hi - 1 else 0)
-        total += n * n * m  # X = Q X
-    return total
-
-
-def gram_pays(n: int, m: int, steps: int) -> bool:
-    """Whether Gram Newton-Schulz costs fewer multiply-adds than the standard iteration on an
-    n x m matrix whose Gram matrix is n x n (n <= m unless a TP split decides the side). With
-    5 steps and one restart it does once m / n passes 1.5; square matrices gain nothing."""
-    return gram_macs(n, m, steps) < standard_macs(n, m, steps)
-
-
-_SHARD_SUFFIX = {0: "_shard_rows", 1: "_shard_cols"}
-_KEY = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)(_shard_rows|_shard_cols)?$")
-
-
-@dataclass(frozen=True)
-class NSShape:
-    """A matrix as Newton-Schulz sees it: rows x cols whole, or with `split` 0 / 1 this rank's
-    rows x cols shard of a matrix split over TP along its rows / cols and iterated as shards
-    (tp_mode=gram, newton_schulz_sharded). Its `key` ("768x2048", "384x2048_shard_rows")
-    names it in optim.muon.ns_by_shape."""
-
-    rows: int
-    cols: int
-    split: int | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.rows}x{self.cols}{_SHARD_SUFFIX.get(self.split, '')}"
-
-    @staticmethod
-    def parse(key: str) -> "NSShape":
-        match = _KEY.match(str(key))
-        if match is None:
-            raise ValueError(
-                f"optim.muon.ns_by_shape: bad shape {key!r} (expected ROWSxCOLS, e.g. 768x2048, "
-                f"optionally with _shard_rows or _shard_cols)"
-            )
-        split = {v: k for k, v in _SHARD_SUFFIX.items()}.get(match.group(3))
-        return NSShape(int(match.group(1)), int(match.group(2)), split)
-
-    def gram_sides(self) -> tuple[int, int]:
-        """(n, m): the side of the Gram matrix the iteration forms, and the other side. Whole
-        matrices use the short side; shards use the side that sums over the shards."""
-        if self.split is None:
-            return min(self.rows, self.cols), max(self.rows, self.cols)
-        return (self.cols, self.rows) if self.split == 0 else (self.rows, self.cols)
-
-
-def use_gram(method: str, shape: NSShape, steps: int, by_shape: Mapping[str, str] | None = None) -> bool:
-    """Whether a matrix of `shape` runs Gram Newton-Schulz: never for "standard"; where it
-    costs fewer multiply-adds for "gram"; as `by_shape` (shape key -> "gram" / "standard",
-    measured by optim/ns_choice.py) says for "auto", which must name the shape."""
-    if method == "standard":
-        return False
-    if method == "gram":
-        return gram_pays(*shape.gram_sides(), steps)
-    if method != "auto":
-        raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected {', '.join(NS_METHODS)})")
-    choice = (by_shape or {}).get(shape.key)
-    if choice is None:
-        raise ValueError(
-            f"optim.muon.ns_method=auto: no choice for {shape.key} matrices in optim.muon.ns_by_shape "
-            f"(has {sorted(by_shape or {})}); the trainer measures every shape of the model at start-up, "
-            f"elsewhere see optim/ns_choice.py"
-        )
-    return choice == "gram"
-
-
-def iteration_for(method: str, shape: NSShape, steps: int, by_shape: Mapping[str, str] | None = None) -> str:
-    """"gram" or "standard": the iteration `method` runs on matrices of `shape` (use_gram).
-    Callers that orthogonalise many matrices of one shape (Muon's stacks) resolve it once and
-    hand it to newton_schulz as `iteration`."""
-    return "gram" if use_gram(method, shape, steps, by_shape) else "standard"
-
-
-def check_iteration(iteration: str) -> str:
-    """`iteration` if it names one of ITERATIONS; else a ValueError naming it."""
-    if iteration not in ITERATIONS:
-        raise ValueError(f"newton_schulz: unknown iteration {iteration!r} (expected {' or '.join(ITERATIONS)})")
-    return iteration
-
-
 def coefficients_for(name: str, steps: int) -> list[Coefficient]:
     """The (a, b, c) of each of `steps` iterations; past the end of a list its last entry repeats."""
     if name not in COEFFICIENTS:
@@ -242,6 +129,7 @@ def newton_schulz(
     by_shape: Mapping[str, str] | None = None,
     graph: bool = False,
     iteration: str | None = None,
+    fused_normalise: bool = False,
 ) -> Tensor:
     """Approximate polar factor of every matrix in G ([..., rows, cols]), each on its own.
 
@@ -269,6 +157,9 @@ def newton_schulz(
     same buffers and settings, and replay it from then on (optim/ns_graphs.py): one launch
     instead of dozens. It pays only for a caller that passes the same G and `out` tensors
     every time (Muon's persistent stacks); elsewhere, and on CPU, it runs eagerly.
+
+    `fused_normalise`: the first step (G over its norm, in `dtype`) as compiled kernels
+    (optim/muon_fused.py, with optim.muon.compile_updates); for fp32 or fp64 G only.
     """
     if method not in NS_METHODS:
         raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected {', '.join(NS_METHODS)})")
@@ -296,7 +187,12 @@ def newton_schulz(
         settings = (steps, coefficients, dtype, eps, gram, matmul_flags())
         return ns_graphs.run(settings, G, out, keep, lambda G_, out_, keep_: _newton_schulz_eager(
             G_, coeffs, NORM_SAFETY[coefficients], dtype, eps, out_, keep_, gram))
-    return _newton_schulz_eager(G, coeffs, NORM_SAFETY[coefficients], dtype, eps, out, keep, gram)
+    normalise = _normalise
+    if fused_normalise and G.dtype == torch.float32:
+        normalise = muon_fused.compiled(muon_fused.normalise)
+        if keep is None:  # one compiled variant, gated or not (dividing by 1 changes nothing)
+            keep = torch.ones((), device=G.device)
+    return _newton_schulz_eager(G, coeffs, NORM_SAFETY[coefficients], dtype, eps, out, keep, gram, normalise)
 
 
 def matmul_flags() -> tuple[object, bool, bool]:
@@ -311,7 +207,7 @@ def matmul_flags() -> tuple[object, bool, bool]:
 
 def _newton_schulz_eager(
     G: Tensor, coeffs: Sequence[Coefficient], safety: float, dtype: torch.dtype, eps: float, out: Tensor,
-    keep: Tensor | None, gram: bool,
+    keep: Tensor | None, gram: bool, normalise: Callable[..., object] | None = None,
 ) -> Tensor:
     """newton_schulz's work once its arguments are checked: every kernel is launched here."""
     rows, cols = G.shape[-2:]
@@ -321,7 +217,8 @@ def _newton_schulz_eager(
     work = _Workspace(chunk, rows, cols, dtype, G.device)
     for start in range(0, batch, chunk):
         stop = min(batch, start + chunk)
-        X = _normalise(G3[start:stop], safety, eps, work.x[: stop - start], keep)
+        X = work.x[: stop - start]
+        (normalise or _normalise)(G3[start:stop], X, safety, eps, keep)
         # The last step writes straight into `out` when no cast is needed.
         final = out3[start:stop] if out.dtype == dtype else None
         X = _iterate_gram(X, coeffs, work, final) if gram else _iterate(X, coeffs, work, final)
@@ -428,7 +325,7 @@ def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _normalise(G: Tensor, safety: float, eps: float, out: Tensor, keep: Tensor | None = None) -> Tensor:
+def _normalise(G: Tensor, out: Tensor, safety: float, eps: float, keep: Tensor | None = None) -> Tensor:
     """out[i] = G[i] / (||G[i]||_F * safety + eps), computed in fp32 (fp64 for fp64 input)
     and rounded once into out's dtype. keep == 0 makes the denominator infinite: out is zero,
     and so is every Newton-Schulz iterate after it."""

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from parallel.comm import Group, all_reduce
-from optim.newton_schulz import NORM_SAFETY, NSShape, check_iteration, coefficients_for, gram_segments, use_gram
+from optim.newton_schulz import NORM_SAFETY, coefficients_for, gram_segments
+from optim.ns_method import NSShape, check_iteration, use_gram
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,7 +1,7 @@
 """optim.muon.ns_method=auto: Gram or standard Newton-Schulz per matrix shape, by measured time.
 
 Gram Newton-Schulz does fewer multiply-adds than the standard iteration on non-square matrices
-(newton_schulz.gram_pays), but fewer multiply-adds is not always less time: on an H200, runs
+(ns_method.gram_pays), but fewer multiply-adds is not always less time: on an H200, runs
 timed it between 0.81x and 1.24x the standard iteration's speed on moe_1b's two 1024 x 4096
 matrices, where the count promises 1.5x. So "auto" times both on the running device, once per run at start-up: for each
 shape Muon will orthogonalise, a stack of that shape in the run's dtype and settings, a warm-up
@@ -34,8 +34,9 @@ from torch import Tensor
 
 from optim import ns_graphs
 from optim.config import OptimConfig
-from optim.muon import parse_ns_dtype
-from optim.newton_schulz import NSShape, newton_schulz
+from optim.muon_settings import parse_ns_dtype
+from optim.newton_schulz import newton_schulz
+from optim.ns_method import NSShape
 from optim.newton_schulz_tp import newton_schulz_sharded
 from parallel.comm import broadcast_object, group_size, simulated, world
 

@@ -36,9 +36,9 @@ import torch
 from torch import Tensor
 
 from optim import normuon
-from optim.muon import parse_ns_dtype, validate_group
-from optim.newton_schulz import (NSShape, iteration_for, momentum_update, muon_scale, newton_schulz,
-                                 reusable_buffer)
+from optim.muon_settings import parse_ns_dtype, validate_group
+from optim.newton_schulz import momentum_update, muon_scale, newton_schulz, reusable_buffer
+from optim.ns_method import NSShape, iteration_for
 from optim.newton_schulz_tp import newton_schulz_sharded
 from optim.zero_plan import ParamSpec, build_plan
 from parallel.comm import Group, all_gather_into, all_to_all_into, group_rank, group_size

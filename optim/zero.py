@@ -24,7 +24,8 @@ from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
-from optim.muon import Muon, matrix_layout, tp_gather_dim
+from optim.muon import Muon, tp_gather_dim
+from optim.muon_settings import matrix_layout
 from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
 from optim.routing import muon_split_rows, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from optim.builder import muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
-from optim.newton_schulz import gram_macs, standard_macs, use_gram
+from optim.ns_method import gram_macs, standard_macs, use_gram
 from parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.scale_plan import local_params  # noqa: E402
 from optim import ns_choice  # noqa: E402
 from optim.muon import Muon  # noqa: E402
-from optim.newton_schulz import NSShape  # noqa: E402
-from optim.newton_schulz import gram_macs, gram_pays, newton_schulz, standard_macs  # noqa: E402
+from optim.newton_schulz import newton_schulz  # noqa: E402
+from optim.ns_method import NSShape, gram_macs, gram_pays, standard_macs  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 from scripts.bench_common import ROUND_STATS, interleaved_times, machine_info, paired_ratio  # noqa: E402
 

@@ -113,7 +113,7 @@ def test_newton_schulz_flops_count_what_muon_orthogonalises_under_split_heads_an
     wv are 12 heads of 64 x 768 each, and ns_method=auto looks those head shapes up."""
     from model.gpt import GPT
     from optim.config import MuonConfig
-    from optim.newton_schulz import gram_macs, standard_macs
+    from optim.ns_method import gram_macs, standard_macs
     from scripts.bench_comm import model_config
     from scripts.bench_common import newton_schulz_flops
 

@@ -328,13 +328,18 @@ def test_found_inf_skips_on_the_device_and_otherwise_changes_nothing(nesterov):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_compiled_updates_equal_the_eager_ones(nesterov):
+@pytest.mark.parametrize("nesterov, ns_dtype", [(True, "fp32"), (False, "fp32"), (True, "bf16")])
+def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype):
     """compile_updates runs the elementwise work as fused compiled kernels (for GPUs); on the
-    CPU's compiler here it must compute what the eager for-each path does, gate included."""
+    CPU's compiler here it must compute what the eager for-each path does, gate included.
+    With bf16 Newton-Schulz the fused update reads the last iterate in bf16, where the eager
+    path casts it into the fp32 stack first: the same values."""
+    from optim.newton_schulz import _CPU_BUFFERS, release_buffers
+
+    release_buffers()
     shapes = [(48, 80), (80, 48), (3, 16, 24), (48, 80)]
     groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}]  # noqa: E731
-    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype="fp32")
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype)
     fused, eager = _params(shapes), _params(shapes)
     opt_fused = Muon(groups(fused), compile_updates=True, **kw)
     opt_eager = Muon(groups(eager), **kw)
@@ -358,6 +363,26 @@ def test_compiled_updates_equal_the_eager_ones(nesterov):
     for a, b in zip(fused, eager):
         torch.testing.assert_close(opt_fused.state[a]["momentum_buffer"], opt_eager.state[b]["momentum_buffer"],
                                    rtol=1e-6, atol=1e-7)
+    bf16_out = [key for key in _CPU_BUFFERS.cache if key[0] == "muon.ortho"]
+    assert bool(bf16_out) == (ns_dtype == "bf16") and all(key[3] == torch.bfloat16 for key in bf16_out)
+
+
+def test_the_compiled_normalisation_rounds_like_the_eager_one():
+    """compile_updates normalises the Newton-Schulz input in compiled kernels: the same bf16
+    X0 as the eager division (its norm summed in another order: at most one bf16 step apart,
+    and nearly always equal), and zero for a skipped step."""
+    from optim import muon_fused
+    from optim.newton_schulz import _normalise
+
+    G = torch.randn(6, 48, 80, generator=torch.Generator().manual_seed(0)) * 3.0
+    eager, fused = torch.empty(G.shape, dtype=torch.bfloat16), torch.empty(G.shape, dtype=torch.bfloat16)
+    _normalise(G, eager, 1.02, 1e-7)
+    muon_fused.compiled(muon_fused.normalise)(G, fused, 1.02, 1e-7, torch.ones(()))
+    differ = (eager != fused).float().mean().item()
+    assert differ < 1e-3, differ
+    torch.testing.assert_close(fused.float(), eager.float(), rtol=2 ** -7, atol=0)
+    muon_fused.compiled(muon_fused.normalise)(G, fused, 1.02, 1e-7, torch.zeros(()))
+    assert not fused.float().abs().max().item()
 
 
 # Each Newton-Schulz call on a stack launches, whatever the stack's size (as eval/step_census.py

@@ -12,7 +12,8 @@ import torch
 from parallel.comm import COUNTER
 from optim import newton_schulz as NS
 from optim.muon import Muon
-from optim.newton_schulz import gram_macs, gram_pays, newton_schulz, muon_scale, standard_macs
+from optim.newton_schulz import newton_schulz, muon_scale
+from optim.ns_method import gram_macs, gram_pays, standard_macs
 from optim.newton_schulz_tp import newton_schulz_sharded
 from tests.distributed import run_distributed
 from tests.test_distributed_muon import CFG, optim_cfg, trained_pair

@@ -16,8 +16,10 @@ import yaml
 from optim import ns_choice
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
-from optim.muon import Muon, ns_by_shape_problem, ns_shape
-from optim.newton_schulz import NSShape, newton_schulz, use_gram
+from optim.muon import Muon, ns_shape
+from optim.muon_settings import ns_by_shape_problem
+from optim.newton_schulz import newton_schulz
+from optim.ns_method import NSShape, use_gram
 from tests.distributed import run_distributed
 from tests.test_checkpoint import make_trainer
 from tests.test_distributed_muon import CFG, batches, train
@@ -298,7 +300,7 @@ def _agree_worker(rank: int, world: int) -> dict:
     iteration (tp_mode=gram) would disagree across the ranks of one matrix."""
     from model.parallelize import parallelize_tp
     from model.gpt import GPT
-    from parallel.mesh import Mesh, build_mesh
+    from parallel.mesh import build_mesh
 
     def timer(shape, method):
         return (0.5 if rank == 0 else 2.0) if method == "gram" else 1.0

@@ -22,8 +22,9 @@ from data.config import DataConfig
 from model.config import CHECKPOINTING_MODES, ModelConfig
 from model.fp8 import FP8_FILTERS, FP8_RECIPES
 from optim.config import OptimConfig
-from optim.muon import NS_DTYPES, ns_by_shape_problem
-from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS, NS_METHODS
+from optim.muon_settings import NS_DTYPES, ns_by_shape_problem
+from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
+from optim.ns_method import NS_METHODS
 from optim.routing import ALL_KINDS
 
 
