@@ -73,7 +73,7 @@ def test_dense_first_layers_and_routing_kinds():
     model = GPT(CFG)
     assert not isinstance(model.blocks[0].mlp, MoE) and isinstance(model.blocks[1].mlp, MoE)
     opt = build_optimizer(model, OptimConfig(name="muon"), CFG)
-    kinds = {g["kind"]: name for name, o in opt.optimizers.items() for g in o.param_groups}
+    kinds = {kind: name for name, o in opt.optimizers.items() for g in o.param_groups for kind in g["kind"].split("+")}
     assert kinds["experts"] == "muon" and kinds["router"] == "adamw"
     assert kinds["mlp_in"] == "muon"  # dense layer 0 and the shared expert
     assert "blocks.1.mlp.expert_bias" in model.state_dict()  # checkpointed, not a parameter

@@ -30,9 +30,11 @@ def step(m: GPT, opt, seed: int) -> None:
 def test_groups_route_matrices_to_muon_and_decay_every_family_by_default():
     opt = build_optimizer(model(), OptimConfig(name="muon", weight_decay=0.1), CFG)
     muon_kinds = {g["kind"] for g in opt.optimizers["muon"].param_groups}
-    adamw_kinds = {g["kind"] for g in opt.optimizers["adamw"].param_groups}
+    adamw_kinds = {kind for g in opt.optimizers["adamw"].param_groups for kind in g["kind"].split("+")}
     assert muon_kinds == MUON_KINDS - {"experts"}
     assert adamw_kinds == {"embed", "head", "norm"}
+    # The families share one group where their settings agree: one fused AdamW launch.
+    assert len(opt.optimizers["adamw"].param_groups) == 1
     assert all(g["weight_decay"] == 0.1 for g in opt.param_groups)  # norms included
 
 
@@ -40,8 +42,9 @@ def test_weight_decay_overrides_and_split_heads():
     cfg = OptimConfig(name="muon", weight_decay_overrides={"norm": 0.0, "attn_q": 0.05},
                       muon=MuonConfig(split_heads=True))
     opt = build_optimizer(model(), cfg, CFG)
-    by_kind = {g["kind"]: g for g in opt.param_groups}
+    by_kind = {kind: g for g in opt.param_groups for kind in g["kind"].split("+")}
     assert by_kind["norm"]["weight_decay"] == 0.0
+    assert by_kind["embed"] is by_kind["head"] and by_kind["norm"] is not by_kind["embed"]
     assert by_kind["attn_q"]["weight_decay"] == 0.05
     assert by_kind["embed"]["weight_decay"] == cfg.weight_decay
     for kind in ("attn_q", "attn_k", "attn_v"):
@@ -94,3 +97,34 @@ def test_muon_state_on_matrices_is_half_of_adamw():
         return total
 
     assert matrix_state_bytes("muon") * 2 == matrix_state_bytes("adamw")
+
+
+def test_adamw_families_merged_into_one_group_step_exactly_as_apart():
+    """Merging groups of equal settings changes the launches, not the arithmetic."""
+    from optim.adamw import build_adamw
+
+    cfg = OptimConfig(name="adamw", lr=0.01, weight_decay=0.1, weight_decay_overrides={"norm": 0.0})
+    merged_model, apart_model = model(), model()
+    merged = build_adamw([{"params": list(ps), "kind": k, **cfg.group_settings(k)}
+                          for k, ps in _families(merged_model).items()], cfg)
+    apart = [torch.optim.AdamW([{"params": list(ps), **cfg.group_settings(k)}], lr=cfg.lr,
+                               betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+             for k, ps in _families(apart_model).items()]
+    assert sorted(g["kind"] for g in merged.param_groups) == ["embed+head+blocks", "norm"]
+    for seed in range(3):
+        for m, opts in ((merged_model, [merged]), (apart_model, apart)):
+            gen = torch.Generator().manual_seed(seed)
+            idx = torch.randint(0, 61, (2, 16), generator=gen)
+            m(idx[:, :-1], idx[:, 1:]).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    for a, b in zip(merged_model.parameters(), apart_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _families(m: GPT) -> dict[str, list[torch.Tensor]]:
+    """Four families in order: embed, head, the blocks' matrices, the norms."""
+    norms = [p for n, p in m.named_parameters() if "norm" in n]
+    blocks = [p for n, p in m.named_parameters() if n.startswith("blocks.") and "norm" not in n]
+    return {"embed": [m.embed.weight], "head": [m.head.weight], "blocks": blocks, "norm": norms}
