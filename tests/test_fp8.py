@@ -238,3 +238,11 @@ def test_float8_under_zero1_and_ep_tracks_the_single_process_run(tmp_path, layou
 def test_report_of_a_run_without_fp8():
     report = FP8Report("none", (), (), False, "bf16")
     assert report.line() == "fp8: off"
+
+
+def test_fp8_without_compile_is_warned_at_start():
+    from trainer.preflight import config_warnings
+
+    eager = config_warnings(to_dataclass(compose(["trainer.fp8=rowwise"])))
+    assert len(eager) == 1 and "trainer.fp8=rowwise" in eager[0] and "trainer.compile=true" in eager[0]
+    assert config_warnings(to_dataclass(compose(["trainer.fp8=rowwise", "trainer.compile=true"]))) == []

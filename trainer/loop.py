@@ -43,7 +43,7 @@ from trainer.build import build_pipeline_model, measured_peak_flops, model_line,
 from trainer.evaluation import eval_sets, evaluate
 from trainer.pipeline import PipelineRun, merged_over
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
-from trainer.skips import SkipCounter
+from trainer.skips import SkipCounter, flag_step
 
 log = logging.getLogger("trainer")
 
@@ -142,8 +142,11 @@ class Trainer:
         # Steps skipped on the device since the host last looked.
         self.skips = SkipCounter(self.device)
         self.checkpoints = CheckpointKeeper(self, self.checkpoint_dir, simulate.writes_checkpoints(cfg))
-        # [sum, count] of the finite train losses since the last logging step (train/loss).
+        # [sum, count] of the finite train losses since the last logging step (train/loss): a
+        # non-finite step is left out and not counted.
         self.loss_window = torch.zeros(2, device=self.device)
+        # The step's skip flag, loss window and skip counts, fused by compile on a GPU.
+        self.flag_step = torch.compile(flag_step) if t.compile and self.device.type == "cuda" else flag_step
         # See _warn_if_not_learning; a run that does not judge its losses has nothing to check.
         self._learning_checked = not simulate.judges_losses(cfg)
         # A simulation's own metrics and final summary (nothing for a training run).
@@ -217,10 +220,10 @@ class Trainer:
         # this step is finite. A logging step reads it here (it syncs anyway); any other step
         # hands it to the optimizers, which skip a non-finite step on the device, and the
         # host learns of it at its next sync point (_collect_skips): no host sync per step.
-        found_inf = (~torch.isfinite(grad_norm)).float()
-        self._add_to_loss_window(step_loss)
+        found_inf, self.loss_window, self.skips.counts = self.flag_step(
+            grad_norm, step_loss, self.loss_window, self.skips.counts, self.step + 1)
+        self.skips.through = self.step + 1
         stats: dict[str, torch.Tensor | float] = {"train/loss": step_loss}
-        self.skips.note(found_inf, self.step + 1)
         if measure:
             stats.update(self._pop_loss_window(step_loss))
             # Every logging step once any step was skipped: skips collected at a checkpoint
@@ -287,12 +290,6 @@ class Trainer:
             (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
-
-    def _add_to_loss_window(self, step_loss: torch.Tensor) -> None:
-        """Sum the step's loss into the logging interval's window, on the device (no host sync).
-        A non-finite step (skipped) is left out and not counted."""
-        finite = torch.isfinite(step_loss)
-        self.loss_window += torch.stack([torch.where(finite, step_loss, 0.0), finite.float()])
 
     def _pop_loss_window(self, step_loss: torch.Tensor) -> dict[str, torch.Tensor]:
         """train/loss: the mean over the logging interval's finite steps, over every DP rank (NaN

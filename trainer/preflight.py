@@ -214,6 +214,9 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         peak = max(lr_at(step, o, t.max_steps) for step in range(t.max_steps))
         lines.append(f"trainer.max_steps={t.max_steps} < optim.warmup_steps={o.warmup_steps}: the run ends inside "
                      f"its warmup, so its lr peaks at {peak:.3g}, not optim.lr={o.lr:g}")
+    if t.fp8 != "none" and not t.compile:
+        lines.append(f"trainer.fp8={t.fp8} without trainer.compile: each float8 cast is a kernel of its own, "
+                     "so the step is slower than in bf16; set trainer.compile=true")
     return lines
 
 
