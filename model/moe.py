@@ -52,7 +52,7 @@ def grouped_matmul(
     Without torch._grouped_mm the per-expert loop needs the boundaries on the host: a host
     sync, made once per layer when the caller passes them as `host_ends`."""
     if grouped_mm_usable(x, w):
-        return torch._grouped_mm(x, w, offs=ends.to(torch.int32))
+        return torch._grouped_mm(x, w, offs=ends if ends.dtype == torch.int32 else ends.to(torch.int32))
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
     for e, end in enumerate(ends.tolist() if host_ends is None else host_ends):
@@ -86,6 +86,8 @@ class Experts(nn.Module):
             host_ends = None
         elif host_ends is None:
             host_ends = ends.tolist()
+        if host_ends is None:
+            ends = ends.to(torch.int32)  # torch._grouped_mm's offsets, converted once for the three
         gate = grouped_matmul(x, w_gate, ends, host_ends)
         up = grouped_matmul(x, w_up, ends, host_ends)
         return grouped_matmul(F.silu(gate) * up, w_down, ends, host_ends)
@@ -177,8 +179,11 @@ class MoE(nn.Module):
             y = self.experts(x_experts[token_of], ends)
         # Back in (token, slot) order, each token's k expert outputs are weighted by their
         # gates and summed in fp32: a plain reduction (compile fuses it), with no
-        # atomics, so the sum does not depend on the order threads add in.
-        y = y[order.argsort()].view(batch * seq, self.top_k, -1)
+        # atomics, so the sum does not depend on the order threads add in. `order` is a
+        # permutation, so its inverse is one scatter of positions, not a second sort.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = y[inverse].view(batch * seq, self.top_k, -1)
         out = (y.float() * gates.unsqueeze(-1)).sum(dim=1).type_as(x)
         out = reduce_from_tp(out, self.tp_group)
         if self.shared is not None:
