@@ -272,3 +272,26 @@ def test_float8_compiled_and_in_a_pipeline_tracks_the_eager_single_process_run(t
     assert len(reference) == len(other) == 10
     for step, (x, y) in enumerate(zip(other, reference), start=1):
         assert abs(x - y) <= (1e-6 if step <= 3 else 1e-3) * abs(y), (step, x, y)
+
+
+def test_muon_steps_float8_wrapped_expert_weights_exactly_as_plain_ones():
+    """On an H100 the experts' weights are torchao training tensors (their grouped GEMM runs
+    in float8); Muon's step on them must be its step on the fp32 weights."""
+    from optim.muon import Muon
+
+    plain, wrapped = Experts(4, 32, 64), Experts(4, 32, 64)
+    with torch.no_grad():
+        for a, b in zip(plain.parameters(), wrapped.parameters()):
+            a.normal_()
+            b.copy_(a)
+    _convert_experts([wrapped])
+    gen = torch.Generator().manual_seed(1)
+    for a, b in zip(plain.parameters(), wrapped.parameters()):
+        a.grad = torch.randn(a.shape, generator=gen)
+        b.grad = a.grad.clone()
+    before = [p.detach().clone() for p in plain.parameters()]
+    for params in (plain.parameters(), wrapped.parameters()):
+        Muon(list(params), lr=0.02, ns_dtype="fp32").step()
+    for a, b, old in zip(plain.parameters(), wrapped.parameters(), before):
+        assert not torch.equal(a.detach(), old)  # the step moved it
+        assert torch.equal(a.detach(), b.detach().float())
