@@ -9,8 +9,10 @@ gpt_124m: 12 layers, d_model 768, 12 heads of 64, ffn_hidden 2048 (84 matrices).
 
 On CUDA more contenders of ours run: with compile_updates (the elementwise work as fused
 compiled kernels, what trainer.compile=true uses there), with cuda_graphs (each stack's
-Newton-Schulz replayed as a CUDA graph, optim.muon.cuda_graphs), both, and both with
-ns_method=auto (Gram where it measured faster on this GPU, optim/ns_choice.py); each step time
+Newton-Schulz replayed as a CUDA graph, optim.muon.cuda_graphs), both, both with
+ns_method=auto (Gram where it measured faster on this GPU, optim/ns_choice.py), and
+compile_updates with ns_method=auto but no graphs (compile_updates' compiled normalisation
+runs only without graphs); each step time
 is set against the Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
 
 Measured in one run, all timings interleaved (every round steps each contender once, in
@@ -217,6 +219,11 @@ def main() -> None:
             print(f"ns_method=auto on this device ({label}): " + ", ".join(
                 f"{k} {v} ({picked.speedups[k]:.2f}x)" for k, v in sorted(picked.by_shape.items())))
             contenders[f"ours {label} compiled graphs auto"] = auto.step
+            # compile_updates' compiled normalisation is off under CUDA graphs (optim/muon.py):
+            # this one has it, and auto's choice, without graphs.
+            fused = Muon(make_params(shapes, device), ns_dtype=ns, compile_updates=True, ns_method="auto",
+                         ns_by_shape=picked.by_shape, **kw_ours)
+            contenders[f"ours {label} compiled auto"] = fused.step
         contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
@@ -303,7 +310,8 @@ def main() -> None:
     print("The floor: this step's Newton-Schulz FLOPs at the measured matmul peak.\n")
     variants = [("ours", "")] + ([("ours, compile_updates", " compiled"), ("ours, CUDA graphs", " graphs"),
                                   ("ours, compile_updates + CUDA graphs", " compiled graphs"),
-                                  ("ours, all three + ns_method=auto", " compiled graphs auto")]
+                                  ("ours, all three + ns_method=auto", " compiled graphs auto"),
+                                  ("ours, compile_updates + ns_method=auto", " compiled auto")]
                                  if device.type == "cuda" else [])
     print("| NS dtype | floor ms | " + " | ".join(f"{name} ms | x floor" for name, _ in variants) + " |")
     print("|---|---:|" + "---:|---:|" * len(variants))
