@@ -203,7 +203,7 @@ def block_bytes_per_token(cfg: ModelConfig, layer: int, tp: int, mode: str = "no
         shared experts as a SwiGLU of hidden n_shared * e; under EP the dispatch's regrouping
         indices (16k)
     full: the block's input (rh), and in MoE blocks the routing decisions the policy keeps
-      (topk's values and ids, and both sorts' values and indices: 40k, as measured)
+      (topk's values and ids, and the expert sort's values and indices: 24k, as measured)
     selective: the input, and the outputs of SAVED_OPS: every other matmul of the block in
       call order (wq, wv, w_gate, w_down; in MoE blocks wq, wv, the router's fp32 scores, the
       experts' up projection, the shared experts' w_gate and w_down), attention's output and
@@ -229,7 +229,7 @@ def block_bytes_per_token(cfg: ModelConfig, layer: int, tp: int, mode: str = "no
         mlp = (4 * h + 4 * E + 32 * k + 4 + k * (a * h + 4 * a * e / tp + 4 * h)
                + (shared_in + 4 * a * shared / tp if shared else 0) + (16 * k if ep > 1 else 0))
         return 2 * norm + attn + mlp
-    routing = 40 * k if moe else 0
+    routing = 24 * k if moe else 0
     if mode == "full":
         return r * h + routing
     kept = r * h + (a * (q + kv + q) + 4 * H) / tp + (a * h if tp > 1 else 0)  # wq, wv, attention; wo's all-reduce
