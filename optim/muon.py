@@ -108,6 +108,8 @@ class Muon(torch.optim.Optimizer):
         normuon, normuon_beta2: NorMuon's per-row second moment (optim/normuon.py).
         compile_updates: run the elementwise work (momentum, weight decay, update) as
             torch.compile'd fused kernels (optim/muon_fused.py): fewer memory passes, for GPUs.
+        combo_kernels: with compile_updates, launch those kernels as inductor combo kernels
+            (several per launch); off until measured on a GPU (muon_fused.compiled).
         cautious_wd: decay only the coordinates where the update and the weight agree in sign.
 
     Like torch's fused optimizers, `step` honours a `found_inf` attribute (a 0-d float tensor
@@ -135,6 +137,7 @@ class Muon(torch.optim.Optimizer):
         normuon_beta2: float = 0.95,
         ns_by_shape: Mapping[str, str] | None = None,
         cuda_graphs: bool = False,
+        combo_kernels: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -163,6 +166,7 @@ class Muon(torch.optim.Optimizer):
         # Not a group option either: a run resumed with it switched keeps its checkpoint.
         self.cautious_wd = cautious_wd
         self.cuda_graphs = cuda_graphs
+        self.combo_kernels = combo_kernels
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -237,7 +241,7 @@ class Muon(torch.optim.Optimizer):
                 stacks.setdefault(key, []).append(item)
 
         gate = None if getattr(self, "found_inf", None) is None else StepGate.of(self.found_inf)
-        work = StackWork(gate, self.compile_updates, self.cautious_wd, self.cuda_graphs)
+        work = StackWork(gate, self.compile_updates, self.cautious_wd, self.cuda_graphs, self.combo_kernels)
         for (rows, cols, dtype, device, ns, beta2), items in stacks.items():
             _step_stack(items, rows, cols, dtype, device, ns, beta2, work)
         for (rows, cols, split, _, _, dtype, device, ns, beta2), items in tp_stacks.items():

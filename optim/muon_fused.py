@@ -62,14 +62,19 @@ def normalise(G: Tensor, out: Tensor, safety: float, eps: float, keep: Tensor | 
     out.copy_(G / denom)
 
 
-_COMPILED: dict[Callable, Callable] = {}
+_COMPILED: dict[tuple[Callable, bool], Callable] = {}
 
 
-def compiled(fn: Callable) -> Callable:
-    """`fn` under torch.compile (built on first use, shapes static)."""
-    if fn not in _COMPILED:
+def compiled(fn: Callable, combo: bool = False) -> Callable:
+    """`fn` under torch.compile (built on first use, shapes static). `combo`: with inductor's
+    combo kernels, which launch several of the per-tensor kernels of a for-each loop as one (on
+    a GPU; the CPU's C++ kernels are not combined). Its aim: the launch gaps between the 2 x 84
+    small kernels of gpt_124m's compiled Muon step (0.7 ms of 6.0 on an H200). Off by default
+    until a GPU run measures it (scripts/bench_optimizer.py's combo variant)."""
+    key = (fn, combo)
+    if key not in _COMPILED:
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+        _COMPILED[key] = torch.compile(fn, dynamic=False, options={"combo_kernels": True} if combo else None)
+    return _COMPILED[key]

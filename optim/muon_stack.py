@@ -72,11 +72,13 @@ class StackWork:
     whatever its size), or with `compiled` (optim/muon_fused.py) fused kernels that stream
     each matrix through memory once per phase. Either honours the step's gate."""
 
-    def __init__(self, gate: StepGate | None, compiled: bool, cautious: bool = False, graphs: bool = False) -> None:
+    def __init__(self, gate: StepGate | None, compiled: bool, cautious: bool = False, graphs: bool = False,
+                 combo: bool = False) -> None:
         self.gate = gate
         self.compiled = compiled
         self.cautious = cautious
         self.graphs = graphs  # Newton-Schulz through CUDA graphs (Muon's cuda_graphs)
+        self.combo = combo  # the compiled kernels launched as combo kernels (muon_fused.compiled)
 
     @property
     def keep(self) -> Tensor | None:
@@ -98,7 +100,7 @@ class StackWork:
         if self.compiled:
             keep = self._keep_on(stack.device)
             for (mu, nesterov), idx in by_setting(items, momentum_setting).items():
-                muon_fused.compiled(muon_fused.momentum_step)(
+                muon_fused.compiled(muon_fused.momentum_step, self.combo)(
                     [items[i].buf for i in idx], [items[i].grad for i in idx], [outs[i] for i in idx],
                     mu, nesterov, keep,
                 )
@@ -135,7 +137,7 @@ class StackWork:
             params, upd = [items[i].param for i in idx], [updates[i] for i in idx]
             if self.compiled:
                 keep = self._keep_on(ortho.device)
-                muon_fused.compiled(muon_fused.update_step)(
+                muon_fused.compiled(muon_fused.update_step, self.combo)(
                     params, upd, 1.0 - decay * keep, torch.full((), alpha, device=ortho.device), self.cautious
                 )
                 continue

@@ -12,7 +12,8 @@ compiled kernels, what trainer.compile=true uses there), with cuda_graphs (each 
 Newton-Schulz replayed as a CUDA graph, optim.muon.cuda_graphs), both, both with
 ns_method=auto (Gram where it measured faster on this GPU, optim/ns_choice.py), and
 compile_updates with ns_method=auto but no graphs (compile_updates' compiled normalisation
-runs only without graphs); each step time
+runs only without graphs), and that with inductor's combo kernels (several of the compiled
+elementwise kernels per launch: optim/muon_fused.py); each step time
 is set against the Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
 
 Measured in one run, all timings interleaved (every round steps each contender once, in
@@ -224,6 +225,9 @@ def main() -> None:
             fused = Muon(make_params(shapes, device), ns_dtype=ns, compile_updates=True, ns_method="auto",
                          ns_by_shape=picked.by_shape, **kw_ours)
             contenders[f"ours {label} compiled auto"] = fused.step
+            combo = Muon(make_params(shapes, device), ns_dtype=ns, compile_updates=True, combo_kernels=True,
+                         ns_method="auto", ns_by_shape=picked.by_shape, **kw_ours)
+            contenders[f"ours {label} compiled combo auto"] = combo.step
         contenders[f"ours {label} one-stack"] = OneStackPerShape(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         contenders[f"ours {label} per-matrix"] = PerMatrix(make_params(shapes, device), ns_dtype=ns, **kw_ours).step
         torch_cls = torch.optim.Muon if ns == torch.bfloat16 else TorchMuonFp32
@@ -311,7 +315,8 @@ def main() -> None:
     variants = [("ours", "")] + ([("ours, compile_updates", " compiled"), ("ours, CUDA graphs", " graphs"),
                                   ("ours, compile_updates + CUDA graphs", " compiled graphs"),
                                   ("ours, all three + ns_method=auto", " compiled graphs auto"),
-                                  ("ours, compile_updates + ns_method=auto", " compiled auto")]
+                                  ("ours, compile_updates + ns_method=auto", " compiled auto"),
+                                  ("ours, the same with combo kernels", " compiled combo auto")]
                                  if device.type == "cuda" else [])
     print("| NS dtype | floor ms | " + " | ".join(f"{name} ms | x floor" for name, _ in variants) + " |")
     print("|---|---:|" + "---:|---:|" * len(variants))

@@ -328,12 +328,14 @@ def test_found_inf_skips_on_the_device_and_otherwise_changes_nothing(nesterov):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("nesterov, ns_dtype", [(True, "fp32"), (False, "fp32"), (True, "bf16")])
-def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype):
+@pytest.mark.parametrize("nesterov, ns_dtype, combo", [(True, "fp32", False), (False, "fp32", False),
+                                                      (True, "bf16", False), (True, "bf16", True)])
+def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype, combo):
     """compile_updates runs the elementwise work as fused compiled kernels (for GPUs); on the
     CPU's compiler here it must compute what the eager for-each path does, gate included.
     With bf16 Newton-Schulz the fused update reads the last iterate in bf16, where the eager
-    path casts it into the fp32 stack first: the same values."""
+    path casts it into the fp32 stack first: the same values. Combo kernels (on a GPU, several
+    kernels a launch) change the launches, not the values."""
     from optim.newton_schulz import _CPU_BUFFERS, release_buffers
 
     release_buffers()
@@ -341,7 +343,7 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype):
     groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}]  # noqa: E731
     kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype)
     fused, eager = _params(shapes), _params(shapes)
-    opt_fused = Muon(groups(fused), compile_updates=True, **kw)
+    opt_fused = Muon(groups(fused), compile_updates=True, combo_kernels=combo, **kw)
     opt_eager = Muon(groups(eager), **kw)
     grads = _grads(fused, steps=3)
     grads[1][2][0, 1, 1] = float("nan")
@@ -363,6 +365,10 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype):
     for a, b in zip(fused, eager):
         torch.testing.assert_close(opt_fused.state[a]["momentum_buffer"], opt_eager.state[b]["momentum_buffer"],
                                    rtol=1e-6, atol=1e-7)
+    if combo:  # compiled with combo kernels (muon_fused.compiled's cache key says so)
+        from optim import muon_fused
+
+        assert (muon_fused.update_step, True) in muon_fused._COMPILED
     bf16_out = [key for key in _CPU_BUFFERS.cache if key[0] == "muon.ortho"]
     assert bool(bf16_out) == (ns_dtype == "bf16") and all(key[3] == torch.bfloat16 for key in bf16_out)
 
