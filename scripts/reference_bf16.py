@@ -21,7 +21,7 @@ scripts/compare_runs.py compares the records into --out: Muon against AdamW, wit
 AdamW schedules, so its summary.md holds the honest ratio with its intervals (the "Schedule
 ratio" table) as docs/results/summary.md does for fp32. The run dirs (their checkpoints are
 large) stay in --runs, outside the records. --records must be empty or absent, unless
---replace, which empties it first: records of two sessions must not mix.
+--replace, which empties it first: records of two invocations must not mix.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def run_tool(argv: list[str], timeout_s: float) -> int:
 
 
 def prepare_records(records: Path, replace: bool) -> None:
-    """Refuse (exit 2) to mix two sessions' records; with --replace, start from an empty dir."""
+    """Refuse (exit 2) to mix the records of two invocations; with --replace, start from an empty dir."""
     if records.exists() and any(records.iterdir()):
         if not replace:
             refuse(f"--records {records} already holds records; pass --replace to replace them")

@@ -1,6 +1,6 @@
 """scripts/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without running
 it: the sweeps are docs/results.md's fp32 commands with bf16 added, at the fp32 protocol's best
-lrs and lengths, and records of two sessions never mix. (Its whole run on gpt_tiny on a CPU
+lrs and lengths, and records of two invocations never mix. (Its whole run on gpt_tiny on a CPU
 takes about two minutes: the command is in its docstring.)"""
 from __future__ import annotations
 
