@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -221,8 +222,11 @@ def refresh_weight_scales(roots: list[nn.Module]) -> None:
 
     for group, modules in _all_gathered_in_float8(roots).items():
         shards = [m.weight._local_tensor._tensor for m in modules]  # this rank's rows, high precision
-        amax = torch.stack([t.abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
-                            for t in shards])
+        # One multi-tensor kernel for every weight's max |w| (a rank without rows holds 0).
+        held = [i for i, t in enumerate(shards) if t.numel()]
+        amax = torch.zeros(len(shards), dtype=torch.float32, device=shards[0].device)
+        if held:
+            amax[held] = torch.stack(torch._foreach_norm([shards[i] for i in held], ord=math.inf)).float()
         all_reduce(amax, group, op=dist.ReduceOp.MAX)
         for module, weight_amax in zip(modules, amax):
             config = module.config

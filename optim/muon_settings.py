@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from eval.fast_dtype import resolve_precision
+from optim.fast_dtype import resolve_precision
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
 from optim.ns_method import NS_METHODS, NSShape
 
@@ -66,7 +66,7 @@ def validate_group(group: dict[str, Any], shapes: Sequence[torch.Size] | None = 
             f"(expected classic or polar_express)"
         )
     if group["ns_dtype"] == "auto":
-        # The device's fast dtype (eval/fast_dtype.py). The defaults have no parameters yet:
+        # The device's fast dtype (optim/fast_dtype.py). The defaults have no parameters yet:
         # they keep "auto", and each group resolves it on its own parameters' device.
         if group["params"]:
             group["ns_dtype"] = resolve_precision("auto", group["params"][0].device).precision

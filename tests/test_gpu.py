@@ -45,7 +45,7 @@ def train_in_process(run_dir: Path, overrides: list[str]):
 
 
 def test_auto_precision_is_bf16_on_a_gpu_with_bf16_tensor_cores():
-    from eval.fast_dtype import fast_precision
+    from optim.fast_dtype import fast_precision
 
     major, _ = torch.cuda.get_device_capability()
     choice = fast_precision(torch.device("cuda", 0))

@@ -18,8 +18,8 @@ import torch
 import yaml
 from torch.overrides import TorchFunctionMode
 
-from eval import fast_dtype
-from eval.fast_dtype import CpuFeatures, PrecisionChoice
+from optim import fast_dtype
+from optim.fast_dtype import CpuFeatures, PrecisionChoice
 from optim.muon import Muon
 from tests.conftest import compose
 from tests.distributed import run_distributed

@@ -41,7 +41,7 @@ class TrainerConfig:
     grad_accum: int = 1
     # "bf16": autocast to bfloat16 with fp32 master weights; "fp32": no autocast; "auto": bf16
     # on CUDA (Ampere and newer) and on CPUs with AMX bf16 (amx_bf16 in the CPU flags), fp32
-    # elsewhere: a fixed rule (eval/fast_dtype.py). The start-up log says which rule applied.
+    # elsewhere: a fixed rule (optim/fast_dtype.py). The start-up log says which rule applied.
     precision: str = "auto"
     # Whether fp32 matmuls on CUDA (every matmul under precision=fp32; under bf16 those outside
     # autocast, e.g. fp32 Newton-Schulz) may run on TF32 tensor cores: about 3 decimal digits

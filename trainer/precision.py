@@ -1,5 +1,5 @@
 """trainer.precision=auto and optim.muon.ns_dtype=auto for a run: what the device runs fast
-(eval/fast_dtype.py), agreed across ranks, kept across a resume, and said at start-up."""
+(optim/fast_dtype.py), agreed across ranks, kept across a resume, and said at start-up."""
 from __future__ import annotations
 
 import os
@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from eval.fast_dtype import PrecisionChoice, resolve_precision
+from optim.fast_dtype import PrecisionChoice, resolve_precision
 from parallel.comm import broadcast, world
 from parallel.mesh import Mesh
 
-if TYPE_CHECKING:  # trainer.config imports optim, which imports eval.fast_dtype
+if TYPE_CHECKING:  # for the annotations only
     from trainer.config import TrainConfig
 
 
