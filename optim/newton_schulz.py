@@ -159,7 +159,7 @@ def newton_schulz(
     every time (Muon's persistent stacks); elsewhere, and on CPU, it runs eagerly.
 
     `fused_normalise`: the first step (G over its norm, in `dtype`) as compiled kernels
-    (optim/muon_fused.py, with optim.muon.compile_updates); for fp32 or fp64 G only.
+    (optim/muon_fused.py, with optim.muon.compile_updates); for fp32 G only (fp64 stays eager).
     """
     if method not in NS_METHODS:
         raise ValueError(f"optim.muon.ns_method: unknown method {method!r} (expected {', '.join(NS_METHODS)})")

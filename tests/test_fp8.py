@@ -295,3 +295,18 @@ def test_muon_steps_float8_wrapped_expert_weights_exactly_as_plain_ones():
     for a, b, old in zip(plain.parameters(), wrapped.parameters(), before):
         assert not torch.equal(a.detach(), old)  # the step moved it
         assert torch.equal(a.detach(), b.detach().float())
+
+
+@pytest.mark.parametrize("capability, linears, experts", [
+    ((8, 0), "compute capability 8.9 or newer", "compute capability 9.x"),  # A100: no float8 units
+    ((8, 9), None, "compute capability 9.x"),  # Ada: float8 matmuls, no grouped kernel
+    ((9, 0), None, None),  # H100, H200
+    ((10, 0), None, "compute capability 9.x"),
+])
+def test_which_gpus_run_float8_linears_and_experts(monkeypatch, capability, linears, experts):
+    from model import fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    for found, want in ((fp8.fp8_unsupported(gpu), linears), (fp8.experts_unsupported(gpu), experts)):
+        assert (found is None) if want is None else (want in found and f"{capability[0]}.{capability[1]}" in found)
