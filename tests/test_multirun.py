@@ -109,6 +109,7 @@ def test_a_diverging_single_run_exits_non_zero_with_one_line(tmp_path):
 
 # ---- torchrun: one run dir, written by rank 0 ----
 
+@pytest.mark.slow  # a torchrun launch or a six-job sweep: with the longer tests (make test's budget)
 def test_torchrun_ranks_agree_on_one_run_dir_and_only_rank_0_writes_hydra_outputs(tmp_path):
     proc = run_train(
         TINY, cwd=tmp_path,
@@ -357,6 +358,7 @@ FAMILY = {"muon": "muon", "normuon": "muon+normuon", "cautious_wd": "muon+cautio
           "all": "muon+normuon+cautious_wd+gram_ns", "adamw": "adamw", "adamw_cautious_wd": "adamw+cautious_wd"}
 
 
+@pytest.mark.slow  # a torchrun launch or a six-job sweep: with the longer tests (make test's budget)
 def test_the_muon_family_sweep_runs_every_setting_and_compare_runs_gives_each_a_row(tmp_path):
     """docs/muon_family.md's comparison sweep, on gpt_tiny for 3 steps and one seed."""
     params = compose_with_hydra(["+experiment=muon_family_cpu"]).hydra.sweeper.params

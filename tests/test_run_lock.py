@@ -392,6 +392,7 @@ def test_torchrun_ranks_are_not_refused_by_their_own_rank_0s_lock(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+@pytest.mark.slow  # a torchrun launch or a six-job sweep: with the longer tests (make test's budget)
 def test_torchrun_on_a_held_dir_stops_with_one_line_from_rank_0_and_changes_nothing(finished_run, tmp_path):
     run_dir = tmp_path / "run"
     subprocess.run(["cp", "-a", str(finished_run), str(run_dir)], check=True)
