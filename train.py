@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.sources import DataConfigError
 from trainer.checkpoint_files import CheckpointError
-from trainer.config import register_configs
+from trainer.config import TrainConfig, register_configs, to_dataclass
 from trainer.device import DeviceError
 from trainer.launch import (end_job, launch_overrides, launch_rank, quiet_nonzero_rank_logging,
                             record_launch_error, resume_command, start_job)
@@ -42,6 +42,7 @@ from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
 from trainer.preflight import check_config, config_warnings, preflight
 from trainer.preemption import Preempted
+from trainer.run_kind import Finished, check_run_dir
 from trainer.simulate import simulating
 
 register_configs()
@@ -106,6 +107,21 @@ def exit_bad_input(err: Exception) -> None:
     sys.exit(2)
 
 
+# The run dir __main__ checked before Hydra wrote into it (realpath): main() checks any other.
+_checked_dir: str | None = None
+
+
+def run_dir_checks(typed: TrainConfig, run_dir: Path, dir_key: str) -> Finished | None:
+    """The run dir's own start-up checks (trainer/run_kind.py), before any data or model work:
+    exit 2 with one line where it holds the other kind of run (a simulation's or a training
+    run's); the finished run it holds, if it holds one, for the caller to say so and stop."""
+    try:
+        return check_run_dir(typed, run_dir, dir_key)
+    except ValueError as err:
+        exit_bad_input(err)
+    return None
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
@@ -128,6 +144,20 @@ def main(cfg: DictConfig) -> float:
     if lock is not None and lock.took_over:
         log.warning(lock.took_over)
         lock.took_over = None
+    if os.path.realpath(run_dir) != _checked_dir:  # a sweep's job, or a dir __main__ could not foresee
+        try:
+            finished = run_dir_checks(typed, run_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+        except SystemExit:
+            if job_lock is not None:
+                job_lock.release()
+            raise
+        if finished is not None:
+            if launch_rank() == 0:
+                log.info(finished.line())
+            if job_lock is not None:
+                job_lock.release()
+            # What the job returned when it ended, for a sweeper that reads it again.
+            return finished.recorded_val_loss()
     tf32_before = start_job(typed, hydra_cfg)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
     if launch_rank() == 0:  # every rank has the same config: the others would only repeat it
@@ -193,8 +223,9 @@ if __name__ == "__main__":
     sys.argv += extra_args
     # Every value of every job, checked before Hydra writes the run dir: a bad one is one line
     # (from rank 0 alone) and exit 2, with nothing written.
+    composed = None
     try:
-        preflight(sys.argv[1:], str(Path(__file__).parent / "conf"), world_size_from_env())
+        composed = preflight(sys.argv[1:], str(Path(__file__).parent / "conf"), world_size_from_env())
     except (ValueError, OmegaConfBaseException) as err:
         exit_bad_input(err)
     # The run dir's lock, taken before Hydra writes .hydra/ and the job log into the dir: a run
@@ -211,7 +242,16 @@ if __name__ == "__main__":
             exit_bad_input(ValueError(f"hydra.run.dir={planned[0]}: the run dir cannot be written "
                                       f"({err.strerror or err}: {err.filename or planned[0]})"))
     try:
-        main()
+        finished = None
+        if planned is not None and composed is not None:
+            # Before Hydra writes .hydra/ and the job log: a refused or finished run leaves the
+            # dir as it was. Every rank reads the same files, so all decide alike.
+            finished = run_dir_checks(to_dataclass(composed), planned[0], "hydra.run.dir")
+            _checked_dir = os.path.realpath(planned[0])
+        if finished is None:
+            main()
+        elif launch_rank() == 0:
+            print(finished.line())
     finally:
         if run_lock is not None:
             run_lock.release()

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -47,7 +47,8 @@ class Run:
         return self.corpus_id or "unknown"
 
     def describe(self) -> str:
-        env = summary_line(self.environment) if self.environment else "no environment.json"
+        env = (summary_line(self.environment) + pipeline_words(self.environment) if self.environment
+               else "no environment.json")
         return f"{self.label}: corpus {self.corpus}; {env} ({self.path})"
 
     @property
@@ -181,6 +182,22 @@ def overrides_text(prefix: str, overrides: dict, neutral: float) -> str:
     return f"{prefix}({groups})"
 
 
+def pipeline_words(environment: dict) -> str:
+    """"; pp 2 (1f1b, blocks per stage 1, 1)" for a run with a pipeline (environment.json's
+    layout: pp, pp_schedule, pp_stages_per_rank, pp_layers_per_stage, as trainer/run_env.py
+    records them), "" without one: a record with no pp key predates pipelines (pp 1)."""
+    layout = environment.get("layout") or {}
+    pp = layout.get("pp", 1)
+    if pp <= 1:
+        return ""
+    details = [str(layout.get("pp_schedule", "schedule unknown"))]
+    if layout.get("pp_stages_per_rank", 1) > 1:
+        details.append(f"{layout['pp_stages_per_rank']} stages per rank")
+    if layout.get("pp_layers_per_stage"):
+        details.append("blocks per stage " + ", ".join(map(str, layout["pp_layers_per_stage"])))
+    return f"; pp {pp} ({', '.join(details)})"
+
+
 def run_corpus_id(environment: Optional[dict]) -> Optional[str]:
     """The corpus id of a run's record; "a+b" when a resume went on with another corpus, so
     that such a run never matches a run on either corpus alone."""
@@ -231,6 +248,26 @@ def best_per_optimizer(runs: list, key: str = "val/val/loss") -> list:
         if run.optimizer not in best or value < best[run.optimizer].final(key):
             best[run.optimizer] = run
     return list(best.values())
+
+
+def grid_edge_warnings(arms: list, best: list, length: Callable[[Any], Any] = lambda arm: None) -> list[str]:
+    """One line for each run (or arm) of `best` whose lr is the lowest or the highest of the lrs
+    its optimizer swept (among `arms` of the same `length`, when given: a schedule length), out
+    of two or more: the sweep cannot show that an lr beyond it would not do better, and a
+    comparison at a best lr that is not inside its grid may flatter one optimizer
+    (docs/results.md). Names the lr, the grid and which side to extend."""
+    lines = []
+    for chosen in best:
+        grid = sorted({arm.lr for arm in arms if arm.optimizer == chosen.optimizer and arm.lr is not None
+                       and length(arm) == length(chosen)})
+        if chosen.lr is None or len(grid) < 2 or grid[0] < chosen.lr < grid[-1]:
+            continue
+        side, beyond = ("lowest", "below") if chosen.lr == grid[0] else ("highest", "above")
+        at = f" at {length(chosen)} steps" if length(chosen) is not None else ""
+        lines.append(f"the best lr of {chosen.optimizer}{at}, {chosen.lr:g}, is the {side} of its grid "
+                     f"({', '.join(f'{lr:g}' for lr in grid)}): the best may lie {beyond} it; extend the grid "
+                     f"{beyond} {chosen.lr:g}")
+    return lines
 
 
 def ewm(values: list[float], alpha: float) -> list[float]:

@@ -113,7 +113,18 @@ _PEAKS: dict[tuple[str, str, int], float] = {}
 def device_peak_flops(device: torch.device, precision: str) -> float:
     """measure_matmul_peak, once per process for each device, precision and thread count:
     the peak does not change between the runs of a sweep or the trainers of a test session."""
-    key = (str(device), precision, torch.get_num_threads())
+    key = _peak_key(device, precision)
     if key not in _PEAKS:
         _PEAKS[key] = measure_matmul_peak(device, precision)
     return _PEAKS[key]
+
+
+def _peak_key(device: torch.device, precision: str) -> tuple[str, str, int]:
+    return str(device), precision, torch.get_num_threads()
+
+
+def remember_peak(device: torch.device, precision: str, flops: float) -> None:
+    """A peak measured for this process by another with the same threads (a process that
+    forks runs must not run matmuls itself: its children would hang in OpenMP), which
+    device_peak_flops then returns."""
+    _PEAKS[_peak_key(device, precision)] = flops

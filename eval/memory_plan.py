@@ -33,13 +33,17 @@ PRESET_VOCAB = {"gpt_1b": 128256, "gpt_8b": 128256, "moe_16b": 163840}
 DEFAULT_VOCAB = 50304
 
 
+def preset_names() -> list[str]:
+    """The model presets there are: conf/model/*.yaml."""
+    return sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+
+
 def preset_config(name: str, vocab_size: int = 0) -> ModelConfig:
     """conf/model/<name>.yaml as a ModelConfig, with `vocab_size` (0: PRESET_VOCAB's, else
-    DEFAULT_VOCAB); FileNotFoundError naming the known presets for an unknown name."""
+    DEFAULT_VOCAB); FileNotFoundError naming the known presets for an unknown name (a path too)."""
+    if name not in preset_names():
+        raise FileNotFoundError(f"model={name}: no such preset (known: {', '.join(preset_names())})")
     path = REPO / "conf" / "model" / f"{name}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
-        raise FileNotFoundError(f"model={name}: no {path.relative_to(REPO)} (known: {known})")
     return replace(ModelConfig(**yaml.safe_load(path.read_text())),
                    vocab_size=vocab_size or PRESET_VOCAB.get(name, DEFAULT_VOCAB))
 

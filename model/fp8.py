@@ -18,12 +18,12 @@ an H100, by torchao's per-recipe measurements: tensorwise leaves out a layer who
 at most 4096 and output at most 1024 features wide; rowwise keeps only layers with more than
 2048 outputs and more than 1024 inputs, and not both at most 4096 outputs and at most 2048
 inputs. trainer.fp8_filter=all converts every block linear of a valid shape (for tests and
-experiments). The embedding, the LM head and the router stay in bf16: they are not block
-linears, and the head's logits decide the loss's precision.
+experiments). The embedding, the LM head and the router stay in the run's precision (bf16
+under autocast): they are not block linears, and the head's logits decide the loss's precision.
 
 MoE experts: their grouped GEMMs (torch._grouped_mm) run in float8 rowwise through
 torchao.prototype.moe_training where torchao has kernels for the device: CUDA compute
-capability 9.x (H100, H200). Elsewhere they stay in bf16, and start-up says so.
+capability 9.x (H100, H200). Elsewhere they stay in the run's precision, and start-up says so.
 
 TP: our tensor-parallel layers (parallel/tp_layers.py) are hand-written modules, not
 nn.Linear, which is what torchao converts, and a tensorwise scale would then be one per shard:
@@ -31,16 +31,15 @@ trainer.fp8 with parallel.tp > 1 is refused at start (trainer/config.py).
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from data.quiet_imports import quiet_library_noise
 from model.moe import Experts, moe_layers
 from parallel.comm import all_reduce
 
@@ -50,26 +49,12 @@ FP8_FILTERS = ("auto", "all")
 FP8_MULTIPLE = 16
 
 
-@contextlib.contextmanager
-def _quiet_torchao() -> Iterator[None]:
-    """torchao logs a warning for each CUDA kernel library it cannot load on a CPU-only torch,
-    and torch one for an enum torchao registers the old way: noise at every start, held back
-    while torchao is imported."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def torchao_float8():
-    """torchao.float8, imported on first use (a run without FP8 never imports torchao)."""
-    with _quiet_torchao():
-        import torchao.float8 as float8
+    """torchao.float8, imported on first use (a run without FP8 never imports torchao), without
+    the noise its import prints (data/quiet_imports.py)."""
+    quiet_library_noise()
+    import torchao.float8 as float8
+
     return float8
 
 
@@ -125,17 +110,26 @@ class FP8Report:
 
     recipe: str
     linears: tuple[str, ...]  # the converted block linears, by name
-    left_out: tuple[str, ...]  # block linears the rule kept in bf16
+    left_out: tuple[str, ...]  # block linears the rule left in the run's precision
     all_gather: bool  # FSDP2 all-gathers the converted weights in float8
-    experts: str  # "float8 rowwise" or why they stay in bf16
+    experts: str  # "float8 rowwise" or why they stay in the run's precision
     expert_layers: int = 0
+    # What the linears left out compute in: trainer.precision as the run resolved it (bf16
+    # under autocast, fp32 without).
+    precision: str = "bf16"
+    # Off CUDA torchao emulates the float8 matmuls (linear_config), which a user asking for
+    # FP8 for speed must hear: the emulation is slower than no FP8 at all.
+    emulated: bool = False
 
     def line(self) -> str:
         if self.recipe == "none":
             return "fp8: off"
         moe = f"; MoE experts ({self.expert_layers} layers): {self.experts}" if self.expert_layers else ""
-        return (f"fp8 {self.recipe}: {len(self.linears)} block linears in float8, {len(self.left_out)} left in bf16 "
-                f"by trainer.fp8_filter's rule{'; float8 all-gather under FSDP2' if self.all_gather else ''}{moe}")
+        emulated = ("; emulated off CUDA (the same float8 casts, the products in fp32): several times slower than "
+                    "trainer.fp8=none, for checking numerics, not for speed" if self.emulated else "")
+        return (f"fp8 {self.recipe}: {len(self.linears)} block linears in float8, {len(self.left_out)} left in "
+                f"{self.precision} by trainer.fp8_filter's rule"
+                f"{'; float8 all-gather under FSDP2' if self.all_gather else ''}{moe}{emulated}")
 
 
 def _swap_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
@@ -149,10 +143,11 @@ def _swap_parameter(module: nn.Module, name: str, data: torch.Tensor) -> None:
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, filter_mode: str, fsdp_all_gather: bool,
-                   device: torch.device) -> FP8Report:
-    """Convert `model` in place (on the meta device, before FSDP2 wraps it) for `recipe`."""
+                   device: torch.device, precision: str = "bf16") -> FP8Report:
+    """Convert `model` in place (on the meta device, before FSDP2 wraps it) for `recipe`;
+    `precision`: the run's trainer.precision (resolved), what the rest computes in."""
     if recipe == "none":
-        return FP8Report("none", (), (), False, "bf16")
+        return FP8Report("none", (), (), False, precision, precision=precision)
     float8 = torchao_float8()
     config = linear_config(recipe, fsdp_all_gather, device)
     linears = [fqn for fqn, m in model.named_modules() if type(m) is nn.Linear and fqn.startswith("blocks.")]
@@ -168,17 +163,17 @@ def convert_to_fp8(model: nn.Module, recipe: str, filter_mode: str, fsdp_all_gat
     reason = experts_unsupported(device)
     if layers and reason is None:
         _convert_experts([layer.experts for _, layer in layers])
-    experts = "float8 rowwise grouped GEMMs" if reason is None else f"left in bf16: {reason}"
+    experts = "float8 rowwise grouped GEMMs" if reason is None else f"left in {precision}: {reason}"
     return FP8Report(recipe, tuple(chosen), tuple(f for f in linears if f not in chosen_set),
-                     config.enable_fsdp_float8_all_gather, experts, len(layers))
+                     config.enable_fsdp_float8_all_gather, experts, len(layers), precision, config.emulate)
 
 
 def _convert_experts(experts: list[Experts]) -> None:
     """Wrap each expert stack's weights in torchao's training tensor, whose torch._grouped_mm
     runs the float8 rowwise grouped GEMM; every other op sees the fp32 weight."""
-    with _quiet_torchao():
-        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-        from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+    quiet_library_noise()
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
     config = Float8TrainingOpConfig()
     for stack in experts:
         for name in ("w_gate", "w_up", "w_down"):

@@ -49,7 +49,13 @@ def blocks_per_stage(n_layers: int, n_stages: int, explicit: list[int], stage_ke
     """How many blocks each of the `n_stages` stages runs, or ValueError in one line naming the
     keys (`stage_keys` says how the stage count came about)."""
     if explicit:
-        if len(explicit) != n_stages or sum(explicit) != n_layers or min(explicit) < 0:
+        # Checked first: a negative count can make the sum come out right ([-1, 3] for 2 layers),
+        # and the message about the sum would then blame a sum that holds.
+        negative = [n for n in explicit if n < 0]
+        if negative:
+            raise ValueError(f"parallel.pp_layers_per_stage={list(explicit)}: a stage's block count cannot be "
+                             f"negative ({', '.join(map(str, negative))}); each stage runs 0 or more blocks")
+        if len(explicit) != n_stages or sum(explicit) != n_layers:
             raise ValueError(f"parallel.pp_layers_per_stage={list(explicit)} must list {n_stages} block counts "
                              f"({stage_keys}) that add up to model.n_layers={n_layers}")
         return list(explicit)

@@ -7,10 +7,11 @@
 
 Each argument is a run dir (metrics.jsonl, or TensorBoard events in tb/) or a sweep dir of
 runs; from sweeps the best lr per optimizer (lowest final val loss) is kept, and a table of
-every run's final losses is printed. The first selected run is A (Muon when present), the
-second B. --longer takes runs of B's optimizer with longer schedules and reports the
-schedule-length ratio at which B's final loss reaches A's. Writes PNGs and summary.md (the
-printed tables) into --out, among them each arm's output RMS by layer at the end of its runs
+every run's final losses is printed. A best lr at either end of the lrs swept is warned about
+(stderr and summary.md), naming the side to extend the grid to: the grid must contain it. The
+first selected run is A (Muon when present), the second B. --longer takes runs of B's
+optimizer with longer schedules and reports the schedule-length ratio at which B's final loss
+reaches A's. Writes PNGs and summary.md (the printed tables) into --out, among them each arm's output RMS by layer at the end of its runs
 (output_rms_by_layer.png and its table), for every run that logged model/output_rms/, and a
 table of each arm's weight RMS per parameter kind and largest attention logit at the end of its
 runs, for every run that logged model/weight_rms/ or attn/max_logit/.
@@ -35,7 +36,6 @@ is marked as not distinguishable from 1. Curves with few logged points are drawn
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 from collections import Counter
@@ -43,24 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.compare import (  # noqa: E402
-    Run, best_per_optimizer, ewm, find_runs, leading_steps, load_run, mixed_corpora,
+    Run, best_per_optimizer, ewm, find_runs, grid_edge_warnings, leading_steps, load_run, mixed_corpora,
 )
+from eval.run_precision import arm_precision, mixed_precisions, run_precision  # noqa: E402
 from eval.seeds import (  # noqa: E402
     Arm, Estimate, estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
 from scripts.refuse import refuse  # noqa: E402
 
 BEST_KEY = "val/val/loss"
-
-# What trainer.precision can have run in. "auto" in .hydra/config.yaml is what was asked; it
-# resolves per run (to bf16 where bf16 matmuls are fast), so it says nothing about what ran.
-PRECISIONS = ("bf16", "fp32")
 
 # Below this many logged points a bare line hides where the points are, and a single point
 # draws nothing at all: such curves get a marker at every point.
@@ -609,44 +604,6 @@ def settings_table(a: Arm, b: Arm, rest: list[Arm], arms_b: list[Arm], keys: lis
     return lines
 
 
-@functools.lru_cache(maxsize=None)
-def _resolved_precision(run_dir: Path) -> Optional[str]:
-    """trainer.precision in <run_dir>/resolved_config.yaml, which the trainer writes with "auto"
-    resolved; None when the run (one from before that file) has none."""
-    resolved = run_dir / "resolved_config.yaml"
-    if not resolved.exists():
-        return None
-    return _config_precision(yaml.safe_load(resolved.read_text()) or {})
-
-
-def _config_precision(config: dict) -> Optional[str]:
-    value = (config.get("trainer") or {}).get("precision")
-    return value if value in PRECISIONS else None
-
-
-def run_precision(run: Run) -> str:
-    """What a run trained in: its resolved_config.yaml's trainer.precision, else an explicit
-    bf16 or fp32 in its .hydra/config.yaml (an explicit value runs as given); "unknown" for an
-    "auto" run that recorded no resolution, or a run without a config (TensorBoard only)."""
-    return _resolved_precision(run.path) or _config_precision(run.config) or "unknown"
-
-
-def arm_precision(arm: Arm) -> str:
-    """An arm's precision; "bf16+fp32" when "auto" resolved differently for its seeds (on
-    other machines), so that it matches no arm run in either alone."""
-    return "+".join(sorted({run_precision(run) for run in arm.runs}))
-
-
-def mixed_precisions(arms: list[Arm]) -> Optional[str]:
-    """None when every run of the arms ran in one precision; else one line naming each arm and
-    its precision. bf16 and fp32 runs of one setting reach different losses, so a difference
-    between such arms would mix the optimizers' effect with the arithmetic's."""
-    if len({run_precision(run) for arm in arms for run in arm.runs}) < 2:
-        return None
-    named = ", ".join(f"{arm.label} in {arm_precision(arm)} ({arm.path})" for arm in arms)
-    return f"arms ran in different precisions: {named}"
-
-
 def refuse_mixed(mixed: dict[str, Optional[str]], args: argparse.Namespace) -> None:
     """Exit 2 with one line on the first thing (a key of MIX_FLAGS) that the compared runs do not
     share, unless its --allow-mixed-* flag was given: checked before anything is written."""
@@ -691,6 +648,13 @@ def runs_section(a: Arm, b: Arm, longer: list[Arm], mixed: dict[str, Optional[st
     return lines + [""]
 
 
+def warned(lines: list[str]) -> list[str]:
+    """Each line as a warning on stderr, and as summary.md's lines for it."""
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr)
+    return [f"**Warning: {line}.**" for line in lines] + ([""] if lines else [])
+
+
 def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinished: list[str], out: Path,
                      args: argparse.Namespace) -> None:
     """summary.md for runs of a single optimizer: the corpus and precision, every run's final
@@ -699,14 +663,18 @@ def write_sweep_only(arms: list[Arm], best: list[Arm], runs: list[Run], unfinish
     mixed = mixtures(runs, arms)
     refuse_mixed(mixed, args)
     lengths = {arm.final_step(BEST_KEY) for arm in arms}
+    if len(lengths) > 1:  # tuned per length: each length's grid is its own
+        best = best_per_length(arms)
+        edges = grid_edge_warnings(arms, best, lambda arm: arm.final_step(BEST_KEY))
+    else:
+        edges = grid_edge_warnings(arms, best)
     report = ["## Runs", ""] + shared_lines(arms, mixed)
     report += [f"- {describe(run)}" for run in runs] + [""]
     if unfinished:
         report += ["Not compared, unfinished (fewer steps logged than trainer.max_steps):", ""]
         report += [f"- {reason}" for reason in unfinished] + [""]
     report += [f"## Sweep of {best[0].optimizer}: final losses of every run (one optimizer, nothing to compare)", ""]
-    report += sweep_table(arms, best_per_length(arms) if len(lengths) > 1 else best, eval_keys(runs),
-                          with_steps=len(lengths) > 1) + [""]
+    report += warned(edges) + sweep_table(arms, best, eval_keys(runs), with_steps=len(lengths) > 1) + [""]
     out.mkdir(parents=True, exist_ok=True)
     # every lr of the sweep: how the lr moves the activations is what such a sweep can show
     profiles = depth_profiles(arms)
@@ -796,13 +764,15 @@ def main() -> None:
     if unfinished:
         report += ["Not compared, unfinished (fewer steps logged than trainer.max_steps):", ""]
         report += [f"- {reason}" for reason in unfinished] + [""]
+    arms_b = best_per_length([b] + longer) if longer else []
+    report += warned((grid_edge_warnings(arms, selected) if swept else [])
+                     + grid_edge_warnings([b] + longer, arms_b, lambda arm: arm.final_step(BEST_KEY)))
     if swept:
         report += ["## Sweep: final losses of every run", ""]
         report += sweep_table(arms, selected, eval_keys(loaded)) + [""]
     report += [f"## In-run leading steps: A = {a.label}, B = {b.label}", "",
                f"A: {', '.join(str(r.path) for r in a.runs)}", f"B: {', '.join(str(r.path) for r in b.runs)}", ""]
     report += in_run_table(a, b, keys, args.alpha) + [""]
-    arms_b = best_per_length([b] + longer) if longer else []
     if rest:
         report += ["## Every optimizer setting, at its best lr", ""]
         report += settings_table(a, b, rest, arms_b, eval_keys(loaded)) + [""]

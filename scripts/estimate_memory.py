@@ -8,25 +8,36 @@ next to what the planner predicts for it (eval/memory_plan.planned_memory).
 
 The layout's world size is dp_replicate x dp_shard x tp (EP is carved out of the data-parallel
 ranks); --rank picks the rank measured. One estimate per process: process groups are global.
+Every bad value is one line naming its flag (exit code 2) before anything is built, a layout too
+large to estimate too (eval/layout_limits.py): the estimate's work grows with every rank.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from eval.layout_limits import oversized  # noqa: E402
 from eval.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_memory, train_config  # noqa: E402
-from eval.memory_plan import planned_memory, preset_config  # noqa: E402
+from eval.memory_plan import planned_memory, preset_config, preset_names  # noqa: E402
 from model.config import CHECKPOINTING_MODES  # noqa: E402
 from parallel.mesh import Layout  # noqa: E402
 from scripts.refuse import refuse  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
+from trainer.config import ConfigError, nearest  # noqa: E402
 
 GB = 1e9
+# The default sequence length, where the model's max_seq_len allows it: the presets' 4k context.
+SEQ_LEN = 4096
+# The flag that sets each config key the estimate's checks may name (eval/memory_estimate.py
+# train_config), so that a message names what the user typed.
+FLAGS = {"parallel.dp_replicate": "--dp-replicate", "parallel.dp_shard": "--dp-shard", "parallel.tp": "--tp",
+         "parallel.ep": "--ep", "parallel.simulate_rank": "--rank", "trainer.batch_size": "--batch-size",
+         "trainer.seq_len": "--seq-len", "model.loss_chunks": "--loss-chunks"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,13 +50,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per sequence (default: {SEQ_LEN}, or the model's max_seq_len where shorter)")
     parser.add_argument("--optim", choices=OPTIMIZERS, default="muon")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16")
     parser.add_argument("--activation-checkpointing", choices=CHECKPOINTING_MODES, default="none")
     parser.add_argument("--loss-chunks", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the estimate and the plan as JSON")
     return parser.parse_args(argv)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse a bad flag in one line naming it, before anything is built; fill in --seq-len."""
+    if args.model not in preset_names():
+        close = nearest(Path(args.model).stem, preset_names())  # a path to a preset's file names its stem
+        hint = f"did you mean {close}? " if close else ""
+        refuse(f"--model {args.model}: no such preset ({hint}known: {', '.join(preset_names())})")
+    for flag, value, minimum in (("--dp-replicate", args.dp_replicate, 1), ("--dp-shard", args.dp_shard, 1),
+                                 ("--tp", args.tp, 1), ("--ep", args.ep, 1), ("--batch-size", args.batch_size, 1),
+                                 ("--seq-len", args.seq_len, 1), ("--loss-chunks", args.loss_chunks, 1),
+                                 ("--vocab-size", args.vocab_size, 0)):
+        if value is not None and value < minimum:
+            refuse(f"{flag} {value}: must be at least {minimum}")
+    max_len = preset_config(args.model).max_seq_len
+    if args.seq_len is None:
+        args.seq_len = min(SEQ_LEN, max_len)
+    elif args.seq_len > max_len:
+        refuse(f"--seq-len {args.seq_len}: more than {args.model}'s max_seq_len {max_len}")
+    world = args.dp_replicate * args.dp_shard * args.tp
+    sizes = f"--dp-replicate {args.dp_replicate} x --dp-shard {args.dp_shard} x --tp {args.tp}"
+    too_large = oversized(preset_config(args.model, args.vocab_size), Layout(args.dp_replicate, args.dp_shard, args.tp,
+                          args.ep), f"--dp-shard {args.dp_shard}", sizes)
+    if too_large is not None:
+        refuse(too_large)
+    if not 0 <= args.rank < world:
+        refuse(f"--rank {args.rank}: the layout has {world} ranks ({sizes}), numbered 0 to {world - 1}")
+
+
+def flag_words(line: str) -> str:
+    """A check's line with each config key the flags set named as its flag: "--tp 3", not
+    "parallel.tp=3"."""
+    for key, flag in FLAGS.items():
+        line = re.sub(rf"\b{re.escape(key)}=(\S+?)(?=[\s,;:)]|$)", rf"{flag} \1", line)
+        line = re.sub(rf"\b{re.escape(key)}\b", flag, line)
+    return line
 
 
 def spec_of(args: argparse.Namespace) -> EstimateSpec:
@@ -75,12 +123,13 @@ def table(estimate: dict, plan: dict[str, float]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_flags(args)
     spec = spec_of(args)
     try:
-        train_config(spec)  # every bad value, in one line, before anything is built
+        train_config(spec)  # the checks that values fit together, before anything is built
         plan = plan_of(spec)
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        refuse(str(err))
+        refuse(flag_words(str(err)))
     estimate = estimate_memory(spec).to_dict()
     if args.json:
         print(json.dumps({"estimate": estimate, "plan": plan}, indent=1))

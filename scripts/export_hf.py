@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from data.quiet_imports import quiet_library_noise  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.hf_export import ExportError, export, model_config  # noqa: E402
 from scripts.refuse import BAD_INPUT  # noqa: E402
@@ -114,6 +115,8 @@ def document_start_tokenizer(tokenizer):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # transformers' models import torchao, whose import prints lines that are not news here
+    quiet_library_noise()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="checkpoint (step_<N> dir or older .pt file), checkpoints/ dir or run dir")
     parser.add_argument("out_dir", type=Path, help="directory to write the transformers model into")

@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from data.quiet_imports import quiet_library_noise  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from scripts.refuse import BAD_INPUT  # noqa: E402
 
@@ -126,6 +127,8 @@ def load_source(source: Path, device: torch.device, allow_suspect: bool = False)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # transformers' models import torchao, whose import prints lines that are not news here
+    quiet_library_noise()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="checkpoint file / run dir, or an exported directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")

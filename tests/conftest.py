@@ -1,6 +1,7 @@
 """Shared test helpers: compose the real Hydra config exactly as train.py does."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -12,6 +13,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+# The vocabulary of the whole training runs the tests make on the embedded corpus: at the
+# default 8192, gpt_tiny's embedding and head are 1.05M of its 1.15M parameters and the head's
+# matmul most of a step, which the tests' assertions (a parallel run equals one process, a
+# resume continues exactly, a fault is caught) do not need. The tokenizer and token cache for it
+# are built once, like the default's (.cache/data/).
+TEST_VOCAB = "data.vocab_size=1024"
 
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -70,6 +78,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """A test module's long, independent work (a `start_beside_the_suite` function) starts now,
     to run beside the tests collected before it: serially, the suite leaves part of two cores
     idle (pytest's process waiting on gloo ranks and commands)."""
+    # What collection imported is set aside from later garbage collections, which then scan only
+    # what the tests make: a full collection of torch's and the project's objects takes a tenth
+    # of a second, and runs often in a process that trains.
+    gc.freeze()
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: its tests are not known yet
         return
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
@@ -128,3 +140,44 @@ def hf_cache(tmp_path, monkeypatch):
                                                       "(requirements.txt has it)")
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+# Numeric comparisons (tests/closeness.py): how close each came to its tolerance.
+def _comparisons(config: pytest.Config) -> list:
+    from tests import closeness
+
+    return [*getattr(config, "_closeness_from_workers", []), *closeness.take()]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker hands its records to the controller
+        from dataclasses import astuple
+
+        workeroutput["closeness"] = [astuple(c) for c in _comparisons(session.config)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # pytest-xdist's controller, as each worker ends
+    from tests.closeness import Comparison
+
+    rows = getattr(node, "workeroutput", {}).get("closeness", [])
+    node.config._closeness_from_workers = [*getattr(node.config, "_closeness_from_workers", []),
+                                           *(Comparison(*row) for row in rows)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Every comparison that used more than half of its tolerance on this machine: a margin
+    that may not hold on another CPU (tests/closeness.py)."""
+    from tests.closeness import NEAR, near_tolerance
+
+    comparisons = _comparisons(config)
+    if not comparisons:
+        return
+    near = near_tolerance(comparisons)
+    terminalreporter.section("numeric tolerances")
+    terminalreporter.write_line(f"{len(comparisons)} comparisons recorded; {len(near)} passed using more than "
+                                f"{NEAR:.0%} of their tolerance on this machine")
+    for c in near:
+        terminalreporter.write_line(f"  {c.used:5.2f} of tolerance  {c.test}  {c.what}: error {c.error:.3g}, "
+                                    f"tolerance {c.allowed:.3g}")

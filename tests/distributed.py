@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.distributed.nn.functional  # noqa: F401
 
 from parallel.mesh import destroy_mesh
+from tests import closeness
 
 # gloo's threads: a device's socket loop and a group's workers. They end when their process
 # group is freed; see _leftover_gloo_threads.
@@ -72,14 +73,19 @@ SETTLE_S = 5.0
 
 
 def _settled_gloo_threads() -> list[str]:
-    """The gloo threads still running once freed groups have had SETTLE_S to end theirs."""
+    """The gloo threads still running once freed groups have had SETTLE_S to end theirs.
+    Polled often, collecting garbage now and then: freed groups' threads end within
+    milliseconds, and a collection costs more than that."""
     deadline = time.monotonic() + SETTLE_S
+    polls = 0
     while True:
         leftover = _leftover_gloo_threads()
         if not leftover or time.monotonic() > deadline:
             return leftover
-        gc.collect()
-        time.sleep(0.05)
+        polls += 1
+        if polls % 20 == 0:
+            gc.collect()
+        time.sleep(0.005)
 
 
 def _run_call(rank: int, world_size: int, rendezvous: str, fn: Callable, args: tuple) -> tuple[str, Any]:
@@ -88,8 +94,10 @@ def _run_call(rank: int, world_size: int, rendezvous: str, fn: Callable, args: t
     # another checkout's tests) cannot meet in one rendezvous or race for a port; and a new
     # store per call, so group names restarting at 0 never meet the last call's keys.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    closeness.take()  # comparisons a failed call left unreported
     try:
-        payload: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+        # The call's numeric comparisons go back with its result, to be recorded for its test.
+        payload: tuple[str, Any] = ("ok", (fn(rank, world_size, *args), closeness.take()))
     except BaseException:  # report any failure to the parent with its traceback
         payload = ("error", traceback.format_exc())
     finally:
@@ -123,6 +131,10 @@ def _serve(rank: int, world_size: int, conn: Connection) -> None:
                                 f"{', '.join(leftover)}): something still references it, e.g. a module first "
                                 "imported after init_process_group whose defaults captured group.WORLD")
         conn.send_bytes(pickle.dumps(payload))
+        # What survived the call (imports, caches) is set aside from later collections, which
+        # then scan only what the next call allocates: a full collection of a process that has
+        # imported torch takes a tenth of a second or more, and every call collects.
+        gc.freeze()
         if leftover:
             # Skip the interpreter shutdown those threads can abort in: the parent reports the
             # leak above and starts fresh processes for the next call.
@@ -229,5 +241,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     for rank, (status, value) in enumerate(answers):
         if status != "ok":
             raise AssertionError(f"rank {rank} failed:\n{value}")
-        results.append(value)
+        result, comparisons = value
+        closeness.adopt(comparisons)
+        results.append(result)
     return results

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import gc
 import io
 import os
 import shutil
@@ -84,6 +85,11 @@ def _serve(conn: Connection) -> None:
             source.selections
     except Exception:  # noqa: BLE001 - a run that needs it finds the same failure itself
         pass
+    _measure_peaks_in_a_child()
+    # What the imports made is set aside from the forks' garbage collections (as gc.freeze's
+    # documentation advises before forking): each fork's collections then scan only its own
+    # objects, and do not touch, so copy, the pages it shares with this process.
+    gc.freeze()
     del sys.path[0]
     running: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, request id)
     while True:
@@ -107,6 +113,39 @@ def _serve(conn: Connection) -> None:
                 os.close(ready)
                 _, status = os.waitpid(pid, 0)
                 conn.send((number, "exit", os.waitstatus_to_exitcode(status)))
+
+
+def _measure_peaks_in_a_child() -> None:
+    """The CPU's matmul peak (perf/mfu's denominator) in each precision a run may train in,
+    measured once for every fork: eval/flops.py keeps it per process, as for the jobs of a
+    sweep, and each run would otherwise spend a second measuring it. Measured in a child: a
+    process whose OpenMP threads have run must not fork (its children hang in their first
+    parallel region), so this one never runs a matmul itself."""
+    try:
+        import torch
+
+        from eval.flops import device_peak_flops, remember_peak
+        from optim.fast_dtype import resolve_precision
+    except Exception:  # noqa: BLE001 - each run measures it itself
+        return
+    cpu = torch.device("cpu")
+    precisions = sorted({"fp32", resolve_precision("auto", cpu).precision})
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            peaks = [device_peak_flops(cpu, p) for p in precisions]
+            os.write(write_end, " ".join(map(repr, peaks)).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        said = answer.read().decode().split()
+    os.waitpid(pid, 0)
+    if len(said) == len(precisions):
+        for precision, flops in zip(precisions, said):
+            remember_peak(cpu, precision, float(flops))
 
 
 def _run_in_child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:

@@ -22,6 +22,7 @@ from model.moe import balance_experts, moe_layers
 from optim.qk_clip import QKClip
 from tests.conftest import compose
 from tests.distributed import run_distributed
+from tests.closeness import assert_close
 from trainer.config import TrainConfig, to_dataclass
 
 VOCAB = 97
@@ -73,9 +74,9 @@ def assert_same(got: dict, expected: dict, what: str) -> None:
         elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
             assert len(got[key]) == len(value), f"{what}/{key}"
             for i, (a, b) in enumerate(zip(got[key], value)):
-                torch.testing.assert_close(a, b, rtol=0, atol=TOLERANCE, msg=f"{what}/{key}[{i}]")
+                assert_close(a, b, rtol=0, atol=TOLERANCE, msg=f"{what}/{key}[{i}]")
         elif isinstance(value, torch.Tensor):
-            torch.testing.assert_close(got[key], value, rtol=0, atol=TOLERANCE, msg=f"{what}/{key}")
+            assert_close(got[key], value, rtol=0, atol=TOLERANCE, msg=f"{what}/{key}")
         else:
             assert got[key] == value, f"{what}/{key}: {got[key]} != {value}"
 
@@ -213,7 +214,7 @@ def test_profiler_annotations_only_the_recompute_makes_leave_selective_intact():
     grads = (x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
     body(x, w).backward()
-    torch.testing.assert_close(grads, (x.grad, w.grad), rtol=0, atol=TOLERANCE)
+    assert_close(grads, (x.grad, w.grad), rtol=0, atol=TOLERANCE)
 
 
 def test_an_unknown_mode_names_the_key():

@@ -10,6 +10,7 @@ import torch
 from scripts.bench_train import grad_accum_for, parse_args
 from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer
 from tests.prestarted import run_python
+from tests.closeness import approx
 
 
 def test_grad_accum_is_the_target_over_one_micro_batch():
@@ -83,7 +84,7 @@ def test_the_table_shows_each_target_with_its_ratios():
     # The Newton-Schulz FLOPs are fixed per optimizer step: 4x the tokens, a quarter of the share.
     ns = {float(r["Newton-Schulz GFLOP/step"]) for r in muon_vs_adamw}
     shares = [float(r["NS / model"].rstrip("%")) for r in muon_vs_adamw]
-    assert len(ns) == 1 and shares[1] == pytest.approx(shares[0] / 4, rel=0.05)
+    assert len(ns) == 1 and shares[1] == approx(shares[0] / 4, rel=0.05)
 
 
 def test_newton_schulz_flops_of_a_gpt_124m_muon_step():
@@ -103,8 +104,8 @@ def test_newton_schulz_flops_of_a_gpt_124m_muon_step():
     flops = newton_schulz_flops(model, MuonConfig())
     assert flops == expected
     per_token = train_flops_per_token(cfg, 1024)
-    assert flops / (per_token * 16384) == pytest.approx(0.170, abs=0.001)
-    assert flops / (per_token * 524288) == pytest.approx(0.0053, abs=0.0001)
+    assert flops / (per_token * 16384) == approx(0.170, abs=0.001)
+    assert flops / (per_token * 524288) == approx(0.0053, abs=0.0001)
     assert newton_schulz_flops(model, MuonConfig(ns_method="gram")) < flops  # Gram on the 36 SwiGLU matrices
 
 

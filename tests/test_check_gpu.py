@@ -11,10 +11,10 @@ import tarfile
 import time
 from pathlib import Path
 
-import pytest
 
 from scripts import check_gpu, check_gpu_logs, check_gpu_steps
 from scripts.check_gpu import Check, Result, Step
+from tests.closeness import approx
 
 # test_gpu.log, the end of `python3 -m pytest -m gpu -q -n 12 --tb=short -rfEs`.
 PYTEST_LOG = """\
@@ -71,7 +71,7 @@ def test_pytest_outcome_reads_counts_failures_and_time():
         "tests/test_gpu.py::test_flex_attention_head_max_equals_the_explicit_logits_on_cuda[dtype1]",
         "tests/test_gpu.py::test_muon_compiled_updates_on_cuda_equal_the_eager_ones",
     ]
-    assert t["seconds"] == pytest.approx(85.66)
+    assert t["seconds"] == approx(85.66)
 
 
 def test_pytest_outcome_of_a_run_stopped_early_counts_the_progress_line():
@@ -88,7 +88,7 @@ def test_bench_rows_plain_step_and_muon_over_adamw():
     plain = check_gpu.plain_figures(PLAIN_LOG)
     assert plain == {"ms": 27.7, "tokens_s": 590518.0, "mfu": 49.7}
     ratios = check_gpu.muon_over_adamw(rows)
-    assert ratios.keys() == {16384} and ratios[16384] == pytest.approx(494105 / 577695)
+    assert ratios.keys() == {16384} and ratios[16384] == approx(494105 / 577695)
     assert check_gpu.number("**1.12x**") == 1.12 and check_gpu.number("") is None
 
 
@@ -278,12 +278,12 @@ MOE_LOG = """\
 
 def test_the_new_steps_readers():
     rows = check_gpu.bench_rows(GPT_1B_LOG)
-    assert check_gpu_logs.fp8_over_bf16(rows) == {"adamw": ("bf16+fp8 tensorwise", pytest.approx(1.25)),
-                                                  "muon": ("bf16+fp8 tensorwise", pytest.approx(1.15))}
+    assert check_gpu_logs.fp8_over_bf16(rows) == {"adamw": ("bf16+fp8 tensorwise", approx(1.25)),
+                                                  "muon": ("bf16+fp8 tensorwise", approx(1.15))}
     assert check_gpu_logs.planner_line(GPT_1B_LOG).startswith("Micro-batch from the planner: 15 x 4096 tokens")
     assert check_gpu_logs.bench_row(rows, "muon", 61440, "bf16")["peak GiB"] == "114.90"
     change = check_gpu_logs.fp8_loss_change(check_gpu_logs.loss_rows(GPT_1B_LOSS_LOG), "val/val/loss")
-    assert change == {"muon": ("bf16+fp8 tensorwise", pytest.approx(4.518 / 4.5 - 1))}
+    assert change == {"muon": ("bf16+fp8 tensorwise", approx(4.518 / 4.5 - 1))}
     ms = check_gpu_logs.muon_step_ms(MUON_STEP_LOG)
     assert ms["floor ms"] == 2.40 and ms["ours, all three + ns_method=auto ms"] == 6.17 and min(ms.values()) == 2.40
     assert check_gpu_logs.verdict(1.2, 1.2) == "**met**" and check_gpu_logs.verdict(0.011, 0.01, False) == "**not met**"

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import compose
+from tests.conftest import TEST_VOCAB, compose
 from tests.distributed import run_distributed
+from tests.closeness import WELL_CONDITIONED, check_relative
 from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer.config import to_dataclass
 
@@ -17,7 +18,7 @@ COMMON = [
     "model=gpt_tiny", "optim=muon", "optim.muon.ns_dtype=fp32", "trainer.precision=fp32",
     "trainer.device=cpu", "trainer.max_steps=8", "trainer.seq_len=64", "logger.interval=1", "eval.interval=0",
     "eval.batches=2", "logger.wandb.mode=disabled", "logger.tensorboard=false",
-    "logger.progress=none", "optim.warmup_steps=2", "checkpoint.interval=4",
+    "logger.progress=none", "optim.warmup_steps=2", "checkpoint.interval=4", TEST_VOCAB,
 ]
 
 
@@ -210,7 +211,8 @@ def _layout_worker(rank: int, world: int, run_dir: str, overrides: list[str], mo
 
 def run_layout(run_dir: Path, dp: int, tp: int, mode: str, global_batch: int = 4, model: str = "gpt_tiny",
                options: tuple[str, ...] = ()) -> None:
-    overrides = [f"trainer.batch_size={global_batch // dp}", f"parallel.tp={tp}", f"model={model}", *options]
+    overrides = [f"trainer.batch_size={global_batch // dp}", f"parallel.tp={tp}", f"model={model}", *WELL_CONDITIONED,
+                 *options]
     if dp * tp == 1:
         if mode == "interrupt":
             interrupted(run_dir, overrides)
@@ -254,11 +256,11 @@ def assert_continues_like(straight: Path, resumed: Path, tol: float) -> None:
     a, b = losses(straight), losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     for step in b:
-        assert abs(a[step] - b[step]) <= tol * a[step], (step, a[step], b[step])
+        check_relative(f"step {step}", b[step], a[step], tol)
     pa = checkpoint_files.load(straight / "checkpoints" / "step_00000008")["params"]
     pb = checkpoint_files.load(resumed / "checkpoints" / "step_00000008")["params"]
     for name in pa:
-        assert ((pa[name] - pb[name]).norm() / pa[name].norm()).item() <= tol, name
+        check_relative(name, pb[name], pa[name], tol)
 
 
 def test_restored_state_goes_to_the_device_of_the_tensor_it_replaces():

@@ -19,6 +19,7 @@ from parallel.fsdp import apply_fsdp
 from parallel.mesh import build_mesh
 from scripts.bench_comm import model_config
 from tests.distributed import run_distributed
+from tests.closeness import check, check_relative
 
 VOCAB = 97  # odd: TP 2 pads the head's vocabulary
 BATCH, SEQ = 2, 50  # 100 tokens: 3 chunks of 34, 33, 33
@@ -97,9 +98,10 @@ def test_chunked_loss_equals_whole_loss_and_gradients(preset, chunks):
     whole = loss_and_grads(model, 1, idx, tgt)
     chunked = loss_and_grads(model, chunks, idx, tgt)
     loss_err, grad_err = max_errors(chunked, whole)
-    assert loss_err <= 1e-6 and grad_err <= 1e-6, (loss_err, grad_err)
+    check("loss", loss_err, 1e-6)
+    check("gradients", grad_err, 1e-6)
     with torch.no_grad():  # evaluation takes the slices' losses without gradients
-        assert abs(model(idx, tgt).item() - whole[0].item()) <= 1e-6
+        check("loss", abs(model(idx, tgt).item() - whole[0].item()), 1e-6)
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 4, 130])
@@ -116,9 +118,9 @@ def test_chunked_head_loss_function_equals_whole(chunks):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backpropagated twice"):  # not silently scaled twice
         loss.backward()
-    assert abs(loss.item() - 2.5 * expected.item()) <= 2.5e-6
-    assert (hidden.grad - 2.5 * grad_hidden).abs().max() <= 1e-6
-    assert (head.weight.grad - 2.5 * grad_weight).abs().max() <= 1e-6
+    check("loss", abs(loss.item() - 2.5 * expected.item()), 2.5e-6)
+    check("hidden grad", (hidden.grad - 2.5 * grad_hidden).abs().max().item(), 1e-6)
+    check("head grad", (head.weight.grad - 2.5 * grad_weight).abs().max().item(), 1e-6)
 
 
 @pytest.mark.parametrize("chunks", [3, 4])
@@ -145,9 +147,9 @@ def test_chunked_loss_under_compile_equals_whole():
     model.zero_grad(set_to_none=True)
     loss = compiled(idx, tgt)
     loss.backward()
-    assert abs(loss.item() - whole[0].item()) <= 1e-6
+    check("loss", abs(loss.item() - whole[0].item()), 1e-6)
     for name, p in model.named_parameters():
-        assert (p.grad - whole[1][name]).abs().max() <= 1e-6, name
+        check(name, (p.grad - whole[1][name]).abs().max().item(), 1e-6)
 
 
 def test_bf16_autocast_chunked_loss_is_close_to_whole():
@@ -163,10 +165,10 @@ def test_bf16_autocast_chunked_loss_is_close_to_whole():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         whole = loss_and_grads(model, 1, idx, tgt)
         chunked = loss_and_grads(model, 4, idx, tgt)
-    assert abs(chunked[0].item() - whole[0].item()) <= 1e-3 * whole[0].item()
+    check_relative("loss", chunked[0].item(), whole[0].item(), 1e-3)
     for name, grad in whole[1].items():
         err = ((chunked[1][name] - grad).float().norm() / grad.float().norm()).item()
-        assert err <= 1e-2, f"{name}: relative error {err:.2e}"
+        check(f"{name}: relative error", err, 1e-2)
 
 
 def _parallel_worker(rank: int, world: int) -> dict[str, float]:
@@ -198,6 +200,6 @@ def test_chunked_loss_under_tp_and_fsdp_equals_whole():
     for rank, errors in enumerate(run_distributed(_parallel_worker, 2)):
         assert errors.pop("tp whole logits tokens") == BATCH * SEQ, rank
         assert errors.pop("tp chunked logits tokens") == math.ceil(BATCH * SEQ / 3), rank
-        assert errors.pop("tp loss vs single process") <= 1e-5, rank
+        check(f"rank {rank}: tp loss vs single process", errors.pop("tp loss vs single process"), 1e-5)
         for what, err in errors.items():
-            assert err <= 1e-6, f"rank {rank}: {what} error {err:.2e}"
+            check(f"rank {rank}: {what}", err, 1e-6)

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from eval.compare import (
-    best_per_optimizer, ewm, find_runs, first_reach, in_run_ratio, leading_steps, load_run, schedule_ratio,
+    best_per_optimizer, ewm, find_runs, first_reach, grid_edge_warnings, in_run_ratio, leading_steps, load_run,
+    schedule_ratio,
 )
 from tests.prestarted import run_python
+from tests.closeness import approx
 
 
 def test_leading_steps_recover_a_known_twofold_speedup():
@@ -33,7 +35,7 @@ def test_leading_steps_picks_the_first_step_at_or_below():
 
 def test_crossings_are_interpolated_between_logged_points():
     # val every 10 steps: 4.0 at step 10, 2.0 at step 20, so 3.0 is reached at step 15, not 20
-    assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 3.0) == pytest.approx(15.0)
+    assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 3.0) == approx(15.0)
     assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 4.0) == 10.0
     assert first_reach(([0, 10, 20], [5.0, 4.0, 2.0]), 1.0) is None
     assert [l.step_b for l in leading_steps(([10], [4.5]), ([0, 10, 20], [5.0, 4.0, 2.0]))] == [5.0]
@@ -56,17 +58,17 @@ def test_schedule_ratio_interpolates_between_schedule_lengths():
     lengths, finals = [2.0, 1.0, 1.5, 1.25], [2.6, 3.0, 2.8, 2.9]  # any order
     s = schedule_ratio(2.7, lengths, finals)
     assert s.lengths == [1.0, 1.25, 1.5, 2.0] and s.finals == [3.0, 2.9, 2.8, 2.6]
-    assert s.ratio == pytest.approx(1.75)  # 2.7 is halfway from 2.8 (1.5x) to 2.6 (2x)
+    assert s.ratio == approx(1.75)  # 2.7 is halfway from 2.8 (1.5x) to 2.6 (2x)
     assert schedule_ratio(2.5, lengths, finals).ratio is None  # not reached even at 2x
     assert schedule_ratio(3.1, lengths, finals).ratio == 1.0  # the equal-length run already does
 
 
 def test_ewm_is_bias_corrected_and_follows_the_recurrence():
-    assert ewm([4.0, 4.0, 4.0], 0.05) == pytest.approx([4.0, 4.0, 4.0])
+    assert ewm([4.0, 4.0, 4.0], 0.05) == approx([4.0, 4.0, 4.0])
     values = [1.0, 3.0, 2.0]
     m1 = 1.0
     m2 = (0.5 * 0.5 * 1.0 + 0.5 * 3.0) / (0.5 * 0.5 + 0.5)
-    assert ewm(values, 0.5)[:2] == pytest.approx([m1, m2])
+    assert ewm(values, 0.5)[:2] == approx([m1, m2])
     with pytest.raises(ValueError):
         ewm(values, 0.0)
 
@@ -127,6 +129,40 @@ def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
     assert best == {"muon": 3e-3, "adamw": 1e-3}
 
 
+def test_a_runs_label_names_its_pipeline(tmp_path):
+    """environment.json's layout as trainer/run_env.py records a pipeline run: pp and its schedule
+    and split; a record without pp (every run before pipelines, and pp 1) reads as before."""
+    write_run(tmp_path / "pp", "muon", 1e-3, [3.0, 2.0], corpus="c")
+    env_file = tmp_path / "pp" / "environment.json"
+    env = json.loads(env_file.read_text())
+    plain = load_run(tmp_path / "pp").describe()
+    assert "pp " not in plain and plain.endswith(f"Test CPU x 1 (dp 1, tp 1) ({tmp_path / 'pp'})")
+    env.update(world_size=4, layout={"dp": 2, "tp": 1, "dp_shard": 2, "ep": 1, "pp": 2, "pp_schedule": "1f1b",
+                                     "pp_stages_per_rank": 1, "pp_microbatches": 4, "pp_layers_per_stage": [1, 1]})
+    env_file.write_text(json.dumps(env))
+    assert load_run(tmp_path / "pp").describe().endswith(
+        f"Test CPU x 4 (dp 2, tp 1, FSDP2 over 2); pp 2 (1f1b, blocks per stage 1, 1) ({tmp_path / 'pp'})")
+    env["layout"].update(pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_layers_per_stage=[0, 1, 1, 0])
+    env_file.write_text(json.dumps(env))
+    assert "; pp 2 (interleaved_1f1b, 2 stages per rank, blocks per stage 0, 1, 1, 0) (" in (
+        load_run(tmp_path / "pp").describe())
+
+
+def test_a_best_lr_at_the_edge_of_its_grid_is_warned():
+    """docs/results.md: the grid must contain the best lr. Arms of one optimizer at lrs 1e-3, 3e-3
+    and 1e-2 (another optimizer's lrs do not count), and the best at each place."""
+    from types import SimpleNamespace as Arm
+
+    arms = [Arm(optimizer="muon", lr=lr) for lr in (1e-3, 3e-3, 1e-2)] + [Arm(optimizer="adamw", lr=1e-4)]
+    assert grid_edge_warnings(arms, [arms[1]]) == []
+    assert grid_edge_warnings(arms, [arms[3]]) == []  # one lr swept: no grid to be at the edge of
+    assert grid_edge_warnings(arms, [arms[2], arms[0]]) == [
+        "the best lr of muon, 0.01, is the highest of its grid (0.001, 0.003, 0.01): the best may lie above it; "
+        "extend the grid above 0.01",
+        "the best lr of muon, 0.001, is the lowest of its grid (0.001, 0.003, 0.01): the best may lie below it; "
+        "extend the grid below 0.001"]
+
+
 def test_cli_writes_plots_and_the_summary_ratio(tmp_path):
     write_run(tmp_path / "muon", "muon", 1e-3, [10.0 / s for s in range(1, 51)])
     write_run(tmp_path / "adamw", "adamw", 1e-3, [20.0 / s for s in range(1, 101)])
@@ -184,6 +220,13 @@ def test_cli_prints_the_sweep_table_and_the_schedule_ratio(tmp_path):
                        "--out", str(tmp_path / "cmp")], timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    # both best lrs are the lowest swept: said on stderr and in summary.md
+    edge = ("the best lr of {0}, 0.001, is the lowest of its grid (0.001, 0.003): the best may lie below it; extend "
+            "the grid below 0.001")
+    assert [line for line in proc.stderr.splitlines() if "grid" in line] == [
+        "warning: " + edge.format("muon"), "warning: " + edge.format("adamw")]
+    summary = (tmp_path / "cmp" / "summary.md").read_text().splitlines()
+    assert f"**Warning: {edge.format('muon')}.**" in summary and f"**Warning: {edge.format('adamw')}.**" in summary
     # the sweep table: every run, final val (loss + 0.1) and OOD (loss + 1) losses, best marked
     assert "| muon (best) | 0.001 | 0.3500 | 1.2500 |" in lines
     assert "| adamw | 0.003 | 0.5000 | 1.4000 |" in lines
@@ -215,6 +258,12 @@ def test_the_schedule_ratio_takes_the_best_lr_at_each_length(tmp_path):
     assert "| adamw (best) | 60 | 0.0005 | 0.3333 | 1.2333 |" in lines
     assert "| adamw | 60 | 0.001 | 0.3500 | 1.2500 |" in lines
     assert "B's lr at each length: 1x 0.001, 1.5x 0.0005, 2x 0.001" in lines
+    # each length's grid is its own
+    assert [line for line in proc.stderr.splitlines() if "grid" in line] == [
+        "warning: the best lr of adamw at 60 steps, 0.0005, is the lowest of its grid (0.0005, 0.001): the best may "
+        "lie below it; extend the grid below 0.0005",
+        "warning: the best lr of adamw at 80 steps, 0.001, is the highest of its grid (0.0005, 0.001): the best may "
+        "lie above it; extend the grid above 0.001"]
     # Muon's final val 0.35 lies between AdamW's 0.475 (1x) and 0.3333 (1.5x, lr 5e-4)
     t = (0.475 - 0.35) / (0.475 - (1.4 * 10 / 60 + 0.1))
     row = next(line for line in lines if line.startswith("| val/val/loss ") and "B at 1.5x" not in line
@@ -351,6 +400,11 @@ def test_a_sweep_of_one_optimizer_gets_its_table_with_the_best_lr_per_length(tmp
         "|adamw(best)|80|0.0007|0.2125|1.1125|", "|adamw|80|0.001|0.2313|1.1313|",
     ]
     assert "Corpus: c0ffee (every run)" in (tmp_path / "cmp" / "summary.md").read_text()
+    # inside its grid at 40 steps, at its edge at 80
+    edge = ("the best lr of adamw at 80 steps, 0.0007, is the lowest of its grid (0.0007, 0.001): the best may lie "
+            "below it; extend the grid below 0.0007")
+    assert [line for line in proc.stderr.splitlines() if "grid" in line] == [f"warning: {edge}"]
+    assert f"**Warning: {edge}.**" in (tmp_path / "cmp" / "summary.md").read_text().splitlines()
     (tmp_path / "sweep" / "1e-3_80" / "environment.json").write_text('{"corpus": {"id": "beef"}}')
     proc = compare(tmp_path, str(tmp_path / "sweep"))
     assert proc.returncode != 0 and "runs trained on different corpora" in proc.stderr.strip().splitlines()[-1]
@@ -378,7 +432,7 @@ def test_a_legend_per_panel_for_a_few_arms_and_one_below_the_figure_for_many(n_a
         assert all(leg is None for leg in panel_legends) and len(fig.legends) == 1
         assert [t.get_text() for t in fig.legends[0].get_texts()] == [f"arm {i}" for i in range(n_arms)]
         # below the axes: its anchor is at the figure's bottom edge
-        assert fig.legends[0].get_bbox_to_anchor().y0 == pytest.approx(0.0)
+        assert fig.legends[0].get_bbox_to_anchor().y0 == approx(0.0)
     plt.close(fig)
 
 
@@ -614,20 +668,20 @@ def test_the_output_rms_profile_is_each_arms_last_logged_value_by_layer(tmp_path
     finals = list(zip(*OUTPUT_RMS_FINALS["muon"].values()))  # per layer, the three seeds' values
     assert [i for i, _ in muon.layers] == [0, 1, 2]
     for (_, est), values in zip(muon.layers + [(3, muon.final)], finals):
-        assert est.n == 3 and est.mean == pytest.approx(statistics.fmean(values))
-        assert est.se == pytest.approx(statistics.stdev(values) / 3 ** 0.5)
-    assert [est.mean for _, est in adamw.layers] == pytest.approx([1.0, 1.5, 2.0]) and adamw.final.se is None
+        assert est.n == 3 and est.mean == approx(statistics.fmean(values))
+        assert est.se == approx(statistics.stdev(values) / 3 ** 0.5)
+    assert [est.mean for _, est in adamw.layers] == approx([1.0, 1.5, 2.0]) and adamw.final.se is None
 
     fig, ax = plt.subplots()
     draw_output_rms(ax, [muon, adamw])
     layer_lines = [c for c in ax.containers if c.get_label() in (muon.name, adamw.name)]
     assert [c.get_label() for c in layer_lines] == ["muon lr=0.01 (3 seeds)", "adamw lr=0.001"]
     assert list(layer_lines[0].lines[0].get_xdata()) == [0, 1, 2]
-    assert list(layer_lines[0].lines[0].get_ydata()) == pytest.approx([statistics.fmean(v) for v in finals[:3]])
-    assert list(layer_lines[1].lines[0].get_ydata()) == pytest.approx([1.0, 1.5, 2.0])
+    assert list(layer_lines[0].lines[0].get_ydata()) == approx([statistics.fmean(v) for v in finals[:3]])
+    assert list(layer_lines[1].lines[0].get_ydata()) == approx([1.0, 1.5, 2.0])
     final_points = [c.lines[0] for c in ax.containers if c not in layer_lines]
-    assert [(list(p.get_xdata()), list(p.get_ydata())) for p in final_points] == [([3], [pytest.approx(0.6)]),
-                                                                                ([3], [pytest.approx(1.05)])]
+    assert [(list(p.get_xdata()), list(p.get_ydata())) for p in final_points] == [([3], [approx(0.6)]),
+                                                                                ([3], [approx(1.05)])]
     assert final_points[0].get_color() == layer_lines[0].lines[0].get_color()
     assert layer_lines[0].has_yerr and not layer_lines[1].has_yerr  # one seed: no bar
     assert ax.get_yscale() == "log" and ax.get_xticklabels()[-1].get_text() == "final"

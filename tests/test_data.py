@@ -38,6 +38,7 @@ from data.tokenizer import (
     trained_tokenizer_path,
     training_sample,
 )
+from tests.closeness import approx
 
 ROUND_TRIP_TEXTS = [
     "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # comment\n",
@@ -131,7 +132,7 @@ def test_training_sample_is_hash_ordered_and_within_budget():
 
 def test_split_hash_is_stable_and_not_python_hash():
     # Golden value: blake2b of the relative path, the same on every machine and process.
-    assert hash_fraction("json/__init__.py") == pytest.approx(0.1870375286333544, abs=1e-15)
+    assert hash_fraction("json/__init__.py") == approx(0.1870375286333544, abs=1e-15)
     assert is_held_out("json/__init__.py", 0.2) and not is_held_out("json/__init__.py", 0.18)
 
 

@@ -60,14 +60,14 @@ def tmpfs_works() -> bool:
 @pytest.mark.skipif(not tmpfs_works(), reason="no user namespace to mount a small tmpfs in; "
                     "test_an_injected_enospc_at_the_write covers the same case")
 def test_a_full_tmpfs_stops_the_run_with_exit_2_and_one_line(tmp_path):
-    """A 20 MB tmpfs holds the first checkpoint of gpt_tiny (13 MB) but not the second. Before:
+    """A 4 MB tmpfs holds the first checkpoint of gpt_tiny (2.5 MB at TEST_VOCAB) but not the second. Before:
     a 107-line traceback ending in `inline_container.cc`, no word of space, a .partial dir left
     behind and the step's metrics row missing."""
     mount, copy = tmp_path / "mnt", tmp_path / "copy"
     mount.mkdir()
     train = " ".join([sys.executable, "train.py", f"hydra.run.dir={mount}/run", *COMMON,
                       "trainer.batch_size=2", "checkpoint.interval=2", "trainer.max_steps=4"])
-    script = (f"mount -t tmpfs -o size=20m tmpfs {mount} && {train}; rc=$?; "
+    script = (f"mount -t tmpfs -o size=4m tmpfs {mount} && {train}; rc=$?; "
               f"cp -a {mount}/run {copy}; exit $rc")
     proc = subprocess.run(["unshare", "-r", "-m", "sh", "-c", script], cwd=REPO, capture_output=True, text=True,
                           timeout=600)

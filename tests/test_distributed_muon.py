@@ -15,6 +15,7 @@ from optim.config import MuonConfig, OptimConfig
 from optim.zero_plan import ParamSpec, build_plan
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gathered
+from tests.closeness import check
 from parallel.mesh import Mesh, build_mesh
 
 VOCAB = 97
@@ -40,16 +41,66 @@ def batches(n_steps: int, global_batch: int):
     return [torch.randint(0, VOCAB, (global_batch, 13), generator=gen) for _ in range(n_steps)]
 
 
-def train(model, opt, data, dp_rank: int, dp: int, before_step: Callable[[], object] | None = None) -> None:
+def train(model, opt, data, dp_rank: int, dp: int, before_step: Callable[[], object] | None = None,
+          accumulate: int = 1) -> None:
+    """Each step on this DP rank's rows of the batch, as `accumulate` micro-batches whose mean
+    losses' gradients add up (a sum in another order, for summation_floor)."""
     per_rank = data[0].shape[0] // dp
     for rows in data:
         mine = rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        model(mine[:, :-1], mine[:, 1:]).backward()
+        for micro in mine.chunk(accumulate):
+            (model(micro[:, :-1], micro[:, 1:]) / accumulate).backward()
         opt.prepare_grads(1.0)
         if before_step is not None:
             before_step()
         opt.step()
         opt.zero_grad()
+
+
+# The tolerance of a parallel run against the single process, for Muon in fp32 on these tiny
+# models. Newton-Schulz is not a smooth function of its input everywhere: it raises a direction
+# whose singular value is small by up to a^5 ~ 490 (5 iterations of a = 3.4445), so fp32
+# summation-order noise in a gradient (~1e-7) reaches the weights at ~5e-6 within 5 steps. The
+# single process lands there by itself when it only sums its batch in two halves, and how far
+# depends on the CPU's kernels (6.4e-6 seen on one, 1.24e-5 reported on another for a pipeline
+# run). So a parallel run, which sums in yet another order, is held to a multiple of that
+# floor, measured on the machine that runs the test, or to PARALLEL_TOLERANCE where the floor is
+# lower. A wrong shard, owner or scale moves weights by 1e-3 to 1e-1: far above either.
+PARALLEL_TOLERANCE = 1e-5
+FLOOR_MULTIPLE = 4
+
+
+def worst_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest |got - ref| / |ref| (norms) over the parameters."""
+    return max(((got[n].detach() - ref[n].detach()).norm() / ref[n].detach().norm()).item() for n in ref)
+
+
+def summation_floor(train_single: Callable[[int], dict[str, torch.Tensor]]) -> float:
+    """worst_relative_error between two single-process trainings that differ only in summation
+    order: `train_single(accumulate)` with each batch whole (1) and as two halves (2)."""
+    return worst_relative_error(train_single(2), train_single(1))
+
+
+def parallel_tolerance(floor: float) -> float:
+    return max(PARALLEL_TOLERANCE, FLOOR_MULTIPLE * floor)
+
+
+def single_process_floor(cfg: OptimConfig, model_cfg: ModelConfig = CFG, global_batch: int = 4,
+                         steps: int = 5) -> float:
+    """summation_floor of trained_pair's single-process run."""
+    def train_single(accumulate: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        train(model, build_optimizer(model, cfg, model_cfg, Mesh()), batches(steps, global_batch), 0, 1,
+              accumulate=accumulate)
+        return dict(model.named_parameters())
+
+    return summation_floor(train_single)
+
+
+def pair_batch(dp: int) -> int:
+    """trained_pair's global batch: 4 sequences, or 2 per rank where DP does not divide 4."""
+    return 4 if 4 % dp == 0 else 2 * dp
 
 
 def trained_pair(cfg: OptimConfig, tp: int, model_cfg: ModelConfig = CFG, global_batch: int | None = None,
@@ -60,7 +111,7 @@ def trained_pair(cfg: OptimConfig, tp: int, model_cfg: ModelConfig = CFG, global
     trainings, and `reference_weights`, if given, receives the reference's weights entering
     each step. Call on every rank."""
     mesh = build_mesh(tp)
-    data = batches(5, global_batch or (4 if 4 % mesh.dp == 0 else 2 * mesh.dp))
+    data = batches(5, global_batch or pair_batch(mesh.dp))
     torch.manual_seed(0)
     reference = GPT(model_cfg)
 
@@ -101,15 +152,14 @@ def _muon_worker(
     opt = build_optimizer(model, cfg, CFG, mesh)
     train(model, opt, data, mesh.dp_rank, mesh.dp)
     ref = dict(reference.named_parameters())
-    worst = max(
-        ((gathered(p, p.detach(), mesh.tp_group, ref[n].shape[0]) - ref[n]).norm() / ref[n].norm()).item()
-        for n, p in model.named_parameters()
-    )
+    worst = worst_relative_error({n: gathered(p, p.detach(), mesh.tp_group, ref[n].shape[0])
+                                  for n, p in model.named_parameters()}, ref)
     index = {id(p): i for i, p in enumerate(model.parameters())}
     muon_state = opt.optimizers["muon"].state if "muon" in getattr(opt, "optimizers", {}) else {}
     plan = getattr(opt, "plan", None)
     return {
         "worst": worst,
+        "tolerance": parallel_tolerance(single_process_floor(cfg)),
         "dp_bytes": {k: v for (label, k), v in COUNTER.bytes.items() if label == "dp"},
         # parameters whose Muon momentum this rank holds, and those the plan gives it
         "muon_state_params": sorted(index[id(p)] for p in muon_state),
@@ -135,7 +185,7 @@ def full_shape_plan_costs(dp: int) -> list[int]:
 def test_distributed_muon_equals_single_process(dp, tp, tp_mode):
     results = run_distributed(_muon_worker, dp * tp, tp, "muon", False, tp_mode)
     for rank, r in enumerate(results):
-        assert r["worst"] <= 1e-5, f"rank {rank}: relative parameter error {r['worst']:.2e}"
+        check(f"rank {rank}: relative parameter error", r["worst"], r["tolerance"])
     if dp > 1:
         # Each rank holds momentum for exactly the matrices the plan gives it, and every
         # matrix's momentum lives on exactly one DP rank.
@@ -155,14 +205,14 @@ def test_bucketed_async_parameter_gather_equals_single_process(dp, tp, name):
     in flight while the next is orthogonalised; same parameters, same DP bytes."""
     results = run_distributed(_muon_worker, dp * tp, tp, name, False, "gather", 3)
     for rank, r in enumerate(results):
-        assert r["worst"] <= 1e-5, f"rank {rank}: relative parameter error {r['worst']:.2e}"
+        check(f"rank {rank}: relative parameter error", r["worst"], r["tolerance"])
     one_bucket = run_distributed(_muon_worker, dp * tp, tp, name, False, "gather", 1)[0]["dp_bytes"]
     assert results[0]["dp_bytes"] == one_bucket
 
 
 def test_distributed_muon_with_split_heads_equals_single_process():
-    for r in run_distributed(_muon_worker, 4, 2, "muon", True):
-        assert r["worst"] <= 1e-5
+    for rank, r in enumerate(run_distributed(_muon_worker, 4, 2, "muon", True)):
+        check(f"rank {rank}: relative parameter error", r["worst"], r["tolerance"])
 
 
 @pytest.mark.parametrize("dp, tp, options", [
@@ -179,8 +229,8 @@ def test_muon_dp_traffic_equals_adamw_zero1(dp, tp, options):
 
 
 def test_zero_adamw_equals_single_process():
-    for r in run_distributed(_muon_worker, 4, 2, "adamw", False):
-        assert r["worst"] <= 1e-5
+    for rank, r in enumerate(run_distributed(_muon_worker, 4, 2, "adamw", False)):
+        check(f"rank {rank}: relative parameter error", r["worst"], r["tolerance"])
 
 
 def test_plan_keeps_matrices_whole_and_balances_newton_schulz_cost():

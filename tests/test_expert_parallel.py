@@ -14,6 +14,7 @@ import torch
 from model.moe import grouped_matmul
 from parallel.expert_parallel import check_expert_parallel, combine, dispatch, ep_bytes
 from tests.distributed import run_distributed
+from tests.closeness import assert_close
 
 D_IN, D_OUT, TOP_K = 8, 12, 2  # d_out != d_in: dispatch and combine move rows of different widths
 
@@ -99,9 +100,9 @@ def test_dispatch_combine_equals_all_experts_in_one_process(world, n_experts):
     # The routing really has holes: some rank receives no rows from some other rank.
     assert any(0 in r["recv_rows"] for r in results)
     for rank, r in enumerate(results):
-        torch.testing.assert_close(r["y"], outputs[rank], rtol=1e-6, atol=1e-6, msg=f"rank {rank} outputs")
-        torch.testing.assert_close(r["x_grad"], x_grads[rank], rtol=1e-6, atol=1e-6, msg=f"rank {rank} x grad")
-        torch.testing.assert_close(r["w_grad"], w_grad[rank * local:(rank + 1) * local], rtol=1e-6, atol=1e-6,
+        assert_close(r["y"], outputs[rank], rtol=1e-6, atol=1e-6, msg=f"rank {rank} outputs")
+        assert_close(r["x_grad"], x_grads[rank], rtol=1e-6, atol=1e-6, msg=f"rank {rank} x grad")
+        assert_close(r["w_grad"], w_grad[rank * local:(rank + 1) * local], rtol=1e-6, atol=1e-6,
                                    msg=f"rank {rank} local expert grads")
         assert r["local_ends"] == r["local_ends_host"]
         assert r["local_ends"][-1] == r["n_received"]
@@ -130,9 +131,9 @@ def test_single_process_group_is_identity_routing():
     x_local, local_ends, handle = dispatch(x[token_of], counts, None)
     y = combine(grouped_matmul(x_local, w.transpose(-2, -1), local_ends), handle)
     (y * upstream).sum().backward()
-    torch.testing.assert_close(y.detach(), outputs[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(x.grad, x_grads[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(w.grad, w_grad, rtol=1e-6, atol=1e-6)
+    assert_close(y.detach(), outputs[0], rtol=1e-6, atol=1e-6)
+    assert_close(x.grad, x_grads[0], rtol=1e-6, atol=1e-6)
+    assert_close(w.grad, w_grad, rtol=1e-6, atol=1e-6)
     assert local_ends.tolist() == torch.cumsum(counts, 0).tolist()
 
 
@@ -176,6 +177,6 @@ def test_the_ep_path_on_a_group_of_one_computes_what_the_plain_path_does():
     copies) gives the plain layer's loss and gradients."""
     result = run_distributed(_one_rank_worker, 1)[0]
     (loss_off, grads_off), (loss_on, grads_on) = result["off"], result["on"]
-    torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=0)
+    assert_close(loss_on, loss_off, rtol=0, atol=0)
     for name, grad in grads_off.items():
-        torch.testing.assert_close(grads_on[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+        assert_close(grads_on[name], grad, rtol=1e-6, atol=1e-7, msg=name)

@@ -13,6 +13,7 @@ from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_parallel_training import COMMON, assert_tracks, losses, read_metrics
 from tests.test_start_checks import logged
+from tests.closeness import approx, assert_close
 from trainer.config import to_dataclass
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
@@ -108,24 +109,24 @@ def test_expert_parallel_training_tracks_the_single_process_run(tmp_path, world,
     health = [k for k in reference[-1] if k.startswith(("optim/update_rms/", "model/weight_rms/"))]
     assert "model/weight_rms/experts" in health
     for key in health:
-        assert sharded[-1][key] == pytest.approx(reference[-1][key], rel=1e-4), key
+        assert sharded[-1][key] == approx(reference[-1][key], rel=1e-4), key
     # Every expert, from the rank that holds it, within 1e-6 of the single-process weights.
     ep = results[0]["ep"]
     for name, full in single["experts"].items():
         local = full.shape[0] // ep
         for r in results:
             mine = full[r["ep_rank"] * local : (r["ep_rank"] + 1) * local]
-            torch.testing.assert_close(r["experts"][name], mine, rtol=0, atol=1e-6, msg=name)
+            assert_close(r["experts"][name], mine, rtol=0, atol=1e-6, msg=name)
     # The bias and the balance metrics are global: identical on every rank, and the single run's.
     for r in results:
         assert r["dispatches"] and any(d["received"] != d["rows"] for d in r["dispatches"])  # tokens moved
         for got, want in zip(r["bias"], single["bias"]):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert_close(got, want, rtol=0, atol=0)
         assert r["balance"] == results[0]["balance"]
     for got, want in zip(results[0]["balance"], single["balance"]):
         assert got.keys() == want.keys()
         for key in got:
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+            assert got[key] == approx(want[key], rel=1e-6, abs=1e-9), key
     if starve:  # the starved expert's rank received nothing for it, yet trained in step
         last = results[-1]
         assert last["ep_rank"] == ep - 1

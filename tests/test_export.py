@@ -28,6 +28,7 @@ from model.moe import MoE
 from scripts import export_hf
 from tests.conftest import compose
 from tests.distributed import run_distributed
+from tests.closeness import assert_close, check
 from trainer.config import to_dataclass
 
 TOL = 1e-4
@@ -125,7 +126,7 @@ def test_moe_export_to_glm4_moe_logits_equal_ours(tmp_path, tokenizer, overrides
     assert c.routed_scaling_factor == cfg.routed_scaling
     assert c.rope_parameters["partial_rotary_factor"] == 1.0  # Glm4Moe's default is 0.5
     bias = hf.model.layers[cfg.n_layers - 1].mlp.gate.e_score_correction_bias
-    torch.testing.assert_close(bias, model.blocks[-1].mlp.expert_bias, rtol=0, atol=0)
+    assert_close(bias, model.blocks[-1].mlp.expert_bias, rtol=0, atol=0)
     diff = max_logit_diff(model, hf, cfg.vocab_size)
     assert diff <= TOL, diff
 
@@ -144,7 +145,7 @@ def test_export_writes_safetensors_and_a_loadable_tokenizer(tmp_path, tokenizer)
     assert architecture(cfg) == "LlamaForCausalLM"
     export(cfg, model.state_dict(), tokenizer, tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
-    torch.testing.assert_close(weights["model.layers.1.self_attn.k_proj.weight"],
+    assert_close(weights["model.layers.1.self_attn.k_proj.weight"],
                                model.blocks[1].attn.wk.weight, rtol=0, atol=0)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["eos_token_id"] == tokenizer.eos_token_id
@@ -252,7 +253,7 @@ def test_export_of_a_sharded_run_equals_the_single_process_one(tmp_path, runs, l
     exported = load_file(tmp_path / layout / "model.safetensors")
     assert set(exported) == set(reference)
     worst = max((exported[k] - reference[k]).abs().max().item() for k in reference)
-    assert worst <= 1e-6, worst
+    check("worst logit difference", worst, 1e-6)
     # the run's own tokenizer went with it
     ours = export_hf.run_tokenizer(saved["config"])
     theirs = AutoTokenizer.from_pretrained(tmp_path / layout)
@@ -325,6 +326,27 @@ def test_export_and_generate_from_a_checkpoint_show_no_warning(tmp_path, runs, c
         assert generate.main([str(runs["tp1"]), "--prompt", "def ", "--max-new-tokens", "2"]) == 0
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
     assert "Warning" not in capsys.readouterr().err
+
+
+# What importing torchao printed first (transformers' Llama imports it): CUDA kernel libraries a
+# CPU build of torch cannot load, and torch's note on the enums torchao registers the old way.
+IMPORT_NOISE = ("Failed to load", "register_constant()")
+
+
+def test_export_and_generate_print_none_of_torchaos_import_noise(tmp_path, runs):
+    """Each script in a process of its own (forked before torchao was imported): the import
+    happens once per process, so only there would its lines show. Side by side, generate.py
+    sampling from an export made here."""
+    from tests.prestarted import start_python
+
+    cfg, tensors, config = export_hf.load_run(runs["tp1"])
+    export(cfg, tensors, export_hf.run_tokenizer(config, source=runs["tp1"]), tmp_path / "here")
+    procs = [start_python(["scripts/export_hf.py", str(runs["tp1"]), str(tmp_path / "hf")]),
+             start_python(["scripts/generate.py", str(tmp_path / "here"), "--max-new-tokens", "1"])]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert [line for line in err.splitlines() if any(n in line for n in IMPORT_NOISE)] == []
 
 
 def test_a_suspect_checkpoint_is_refused_with_exit_2_in_one_line(tmp_path, runs, capsys):

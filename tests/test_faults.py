@@ -64,8 +64,10 @@ def test_nonfinite_skip_between_logging_steps_happens_on_the_device(tmp_path, op
     """No logging step, so no host sync: the optimizers and the expert-bias update skip the
     NaN step on the device, leaving every parameter, optimizer state and bias as it was, and
     the host counts the skip at its next sync point."""
+    # The default vocabulary's data: with TEST_VOCAB's, AdamW's two steps move one expert's bias
+    # up and back down to zero, and an unmoved bias would not show a skip that moves it.
     trainer = make_trainer(tmp_path, ["model=moe_tiny", f"optim={optim}", "trainer.batch_size=2",
-                                      "trainer.nonfinite=skip", "logger.interval=1000"])
+                                      "trainer.nonfinite=skip", "logger.interval=1000", "data.vocab_size=8192"])
     poison_step(trainer, 3)
     trainer.train_step(measure=False)
     trainer.train_step(measure=False)

@@ -6,6 +6,7 @@ The CPU has no float8 units: torchao emulates the matmuls there (the same float8
 product in fp32), so everything but the speed is what a GPU runs."""
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,12 +15,13 @@ import torch
 from torch import nn
 
 from model.config import ModelConfig
-from model.fp8 import FP8Report, _convert_experts, convert_to_fp8, converts
+from model.fp8 import FP8Report, _convert_experts, convert_to_fp8, converts, torchao_float8
 from model.gpt import GPT
 from model.moe import Experts
 from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_parallel_training import COMMON, losses, read_metrics, train_in_process
+from tests.closeness import check_relative
 from trainer import checkpoint_files
 from trainer.config import ConfigError, to_dataclass, validate
 
@@ -170,16 +172,21 @@ def test_fsdp2_with_the_float8_all_gather_tracks_the_single_process_run(tmp_path
     run_dir, result = fsdp_fp8_run
     assert result["all_gather"]
     # The same micro-batches as the two ranks', so every float8 cast sees the same tensor.
-    single = train_in_process(tmp_path, FP8 + ["trainer.batch_size=2", "trainer.grad_accum=2"])
+    single = train_in_process(tmp_path / "single", FP8 + ["trainer.batch_size=2", "trainer.grad_accum=2"])
     a, b = losses(read_metrics(run_dir)), losses(single)
     assert len(a) == len(b) == 10
     # Not 1e-5 as in fp32: the reduction order of the gradient average moves a weight by an ulp
     # of fp32, and one that sits at a float8 rounding boundary then rounds a whole float8 step
-    # (6%) away; over 10 steps that grew to 3e-5. Unrounded scales (torchao's own precompute)
-    # or a stale scale would move the first step's loss already.
+    # (6%) away; over 10 steps that grew to 3e-5 on one CPU's kernels and 1e-4 on another
+    # vocabulary. So the bound is a multiple of what the same reordering does in one process
+    # (the batch of 4 in one micro-batch instead of two), or 1e-4 where that is less.
+    # Unrounded scales (torchao's own precompute) or a stale scale would move the first step's
+    # loss already.
+    reordered = losses(train_in_process(tmp_path / "reordered", FP8 + ["trainer.batch_size=4"]))
+    floor = max(abs(x - y) / abs(y) for x, y in zip(reordered, b))
     assert a[0] == b[0]
     for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= 1e-4 * abs(y), (step, x, y)
+        check_relative(f"step {step}", x, y, max(1e-4, 4 * floor))
 
 
 def test_scales_are_recomputed_after_every_optimizer_step_and_before_the_next_forward(fsdp_fp8_run):
@@ -197,7 +204,7 @@ def test_scales_are_recomputed_after_every_optimizer_step_and_before_the_next_fo
         assert precomputed == expected
 
 
-def test_checkpoints_hold_fp32_weights_that_load_with_fp8_on_or_off(tmp_path, fsdp_fp8_run):
+def test_checkpoints_hold_fp32_weights_that_load_with_fp8_on_or_off(tmp_path, fsdp_fp8_run, caplog):
     from trainer.loop import Trainer
 
     run_dir, result = fsdp_fp8_run
@@ -210,8 +217,20 @@ def test_checkpoints_hold_fp32_weights_that_load_with_fp8_on_or_off(tmp_path, fs
         options = [o for o in FP8 if not o.startswith("trainer.fp8=")]
         cfg = to_dataclass(compose(COMMON + options + [f"trainer.fp8={fp8}", f"checkpoint.resume={path}",
                                                        "trainer.max_steps=11"]))
-        trainer = Trainer(cfg, tmp_path / fp8)
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            trainer = Trainer(cfg, tmp_path / fp8)
         assert trainer.step == 10
+        said = [r.getMessage() for r in caplog.records]
+        # Switching FP8 off on a resume is said; and what runs in fp32 on this CPU is said as fp32.
+        switched = [line for line in said if line.startswith("resumed with trainer.fp8=")]
+        assert switched == ([] if fp8 == "tensorwise" else [
+            "resumed with trainer.fp8=none, but the checkpoint was trained with trainer.fp8=tensorwise: the block "
+            "matmuls from the resume on run in another precision (the weights carry over unchanged)"])
+        assert [line for line in said if line.startswith("fp8 ")] == ([] if fp8 == "none" else [
+            "fp8 tensorwise: 14 block linears in float8, 0 left in fp32 by trainer.fp8_filter's rule; emulated off "
+            "CUDA (the same float8 casts, the products in fp32): several times slower than trainer.fp8=none, for "
+            "checking numerics, not for speed"])
         loaded = dict(trainer.model.named_parameters())
         for name, full in params.items():
             assert torch.equal(loaded[name].detach(), full), (fp8, name)
@@ -232,7 +251,53 @@ def test_float8_under_zero1_and_ep_tracks_the_single_process_run(tmp_path, layou
     a, b = losses(read_metrics(tmp_path / "par")), losses(single)
     assert len(a) == len(b) == 10
     for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= 1e-4 * abs(y), (step, x, y)
+        check_relative(f"step {step}", x, y, 1e-4)
+
+
+def test_the_start_up_line_names_the_runs_precision_and_the_cpus_emulation():
+    """Before: "14 left in bf16" on a CPU run training in fp32, and not a word that float8 is
+    emulated there (slower than no FP8)."""
+    with torch.device("meta"):
+        model = GPT(model_config("gpt_tiny"), init_seed=0)
+    assert convert_to_fp8(model, "tensorwise", "auto", False, CPU, "fp32").line() == (
+        "fp8 tensorwise: 0 block linears in float8, 14 left in fp32 by trainer.fp8_filter's rule; emulated off CUDA "
+        "(the same float8 casts, the products in fp32): several times slower than trainer.fp8=none, for checking "
+        "numerics, not for speed")
+    on_gpu = FP8Report("rowwise", ("blocks.0.mlp.w_up",), ("blocks.0.attn.wq",), False, "float8 rowwise grouped GEMMs",
+                       precision="bf16")
+    assert on_gpu.line() == "fp8 rowwise: 1 block linears in float8, 1 left in bf16 by trainer.fp8_filter's rule"
+
+
+def test_only_the_known_noise_of_torchaos_import_is_held_back():
+    """train.py's path imports torchao through model/fp8.py, the export and sampling scripts
+    through transformers (tests/test_export.py runs those): the lines below are dropped, on a
+    CPU build of torch those about CUDA kernels too, and nothing else."""
+    from data.quiet_imports import NOISE, quiet_library_noise
+
+    torchao_float8()  # its import holds the noise back from here on
+    quiet_library_noise()  # a second call adds nothing
+    seen: list[str] = []
+    loggers = [logging.getLogger(name) for name in NOISE]
+    handlers = [logging.Handler() for _ in loggers]
+    for logger, handler in zip(loggers, handlers):
+        assert len(logger.filters) == 1
+        handler.emit = lambda record: seen.append(record.getMessage())
+        # its own logger's records, not those of a child logger again (torchao.kernel.intmm's)
+        handler.addFilter(lambda record, name=logger.name: record.name == name)
+        logger.addHandler(handler)
+    try:
+        cuda_kernels = ["Failed to load /venv/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load",
+                        "Warning: Detected no triton, on systems without Triton certain kernels will not work"]
+        for logger, message in zip(loggers, cuda_kernels + [
+                "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
+                "opaque value type. Calling register_constant() on Enum subclasses is deprecated"]):
+            logger.warning(message)
+            logger.warning("another warning")
+    finally:
+        for logger, handler in zip(loggers, handlers):
+            logger.removeHandler(handler)
+    assert seen == (cuda_kernels[:1] if torch.version.cuda else []) + ["another warning"] + (
+        cuda_kernels[1:] if torch.version.cuda else []) + ["another warning"] * 2
 
 
 def test_report_of_a_run_without_fp8():
@@ -271,7 +336,7 @@ def test_float8_compiled_and_in_a_pipeline_tracks_the_eager_single_process_run(t
         other = losses(read_metrics(tmp_path / "other"))
     assert len(reference) == len(other) == 10
     for step, (x, y) in enumerate(zip(other, reference), start=1):
-        assert abs(x - y) <= (1e-6 if step <= 3 else 1e-3) * abs(y), (step, x, y)
+        check_relative(f"step {step}", x, y, 1e-6 if step <= 3 else 1e-3)
 
 
 def test_muon_steps_float8_wrapped_expert_weights_exactly_as_plain_ones():

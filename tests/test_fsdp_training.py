@@ -9,6 +9,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.test_parallel_training import _train_worker, assert_tracks, losses, read_metrics, train_in_process
+from tests.closeness import approx
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
 CLIP = MUON + ["optim.qk_clip.enabled=true", "optim.qk_clip.tau=1", "model.init_std=0.3"]
@@ -60,7 +61,7 @@ def test_sharded_training_tracks_the_single_process_run(tmp_path, world, layout,
     if "optim.qk_clip.enabled=true" in options:
         assert sum(r["optim/qk_clip/heads_clipped"] for r in single) > 0  # the clip did act
     for key in health:
-        assert sharded[-1][key] == pytest.approx(single[-1][key], rel=1e-4), key
+        assert sharded[-1][key] == approx(single[-1][key], rel=1e-4), key
 
 
 # (dp, tp, dp_shard): checkpoints written at one layout continue at another, through DCP's

@@ -21,6 +21,7 @@ from tests.conftest import REPO, compose
 from tests.matmul_precision import true_fp32_matmuls  # noqa: F401 (a fixture, requested by name)
 from tests.test_faults import final_losses, launch, wait_for_step
 from tests.test_parallel_training import assert_tracks, read_metrics
+from tests.closeness import approx, assert_close, check
 from trainer.config import to_dataclass
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -193,7 +194,7 @@ def test_hf_export_of_a_checkpoint_trained_on_cuda_computes_our_logits(tmp_path)
     idx = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (ours(idx) - hf(idx).logits).abs().max().item()
-    assert diff <= 1e-4, diff
+    check("difference", diff, 1e-4)
     # The trained weights, not the initial ones: the export differs from the seed's model.
     torch.manual_seed(config["seed"])
     fresh = GPT(cfg).eval()
@@ -253,7 +254,7 @@ def test_muon_compiled_updates_on_cuda_equal_the_eager_ones(true_fp32_matmuls):
             for opt, params in ((opt_fused, fused), (opt_eager, eager)):
                 _step_with(opt, params, grads, found_inf)
             for a, b in zip(fused, eager):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                assert_close(a, b, rtol=1e-5, atol=1e-6)
     finally:
         torch._dynamo.reset()
 
@@ -302,4 +303,4 @@ def test_qk_clip_training_on_cuda_clips_and_keeps_its_logits_at_tau(tmp_path, co
     assert len(records) == 20 and all(math.isfinite(x) for x in train_losses)
     assert records[0]["optim/qk_clip/heads_clipped"] == 8  # every head of gpt_tiny at step 1
     for r in records:
-        assert r["optim/qk_clip/max_logit_after"] == pytest.approx(min(r["optim/qk_clip/max_logit"], 1.0), rel=1e-4)
+        assert r["optim/qk_clip/max_logit_after"] == approx(min(r["optim/qk_clip/max_logit"], 1.0), rel=1e-4)

@@ -13,6 +13,7 @@ import torch
 from eval.step_census import census
 from optim.grad_ops import global_grad_norm, sum_of_squares
 from tests.distributed import run_distributed
+from tests.closeness import approx
 from parallel.mesh import build_mesh
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -48,8 +49,8 @@ def shards(t: torch.Tensor, parts: int, dim: int) -> list[torch.Tensor]:
 def test_norm_equals_the_fp64_norm(device, dtype):
     grads = gradients(dtype, device)
     for t in grads:  # each alone: the largest is where accumulation error shows
-        assert norm([t]) == pytest.approx(fp64_norm([t]), rel=1e-6, abs=0), tuple(t.shape)
-    assert norm(grads) == pytest.approx(fp64_norm(grads), rel=1e-6, abs=0)
+        assert norm([t]) == approx(fp64_norm([t]), rel=1e-6, abs=0), tuple(t.shape)
+    assert norm(grads) == approx(fp64_norm(grads), rel=1e-6, abs=0)
     total = sum_of_squares(grads, grads[0].device)
     assert total.dtype == torch.float32 and total.shape == () and total.device == grads[0].device
 
@@ -63,7 +64,7 @@ def test_norm_does_not_depend_on_how_a_matrix_is_split(device):
     for parts in (2, 3, 4):
         for dim in (0, 1):
             split = math.sqrt(sum(sum_of_squares([s], big.device).item() for s in shards(big, parts, dim)))
-            assert split == pytest.approx(whole, rel=1e-6, abs=0), (parts, dim)
+            assert split == approx(whole, rel=1e-6, abs=0), (parts, dim)
 
 
 def test_empty_list_sums_to_an_fp32_zero():
@@ -113,6 +114,6 @@ def _tp_norm_worker(rank: int, world: int) -> tuple[float, float]:
 def test_tp_norm_equals_the_single_process_norm():
     expected = fp64_norm(gradients())
     for tp_norm, single_norm in run_distributed(_tp_norm_worker, 2):
-        assert tp_norm == pytest.approx(expected, rel=1e-6, abs=0)
-        assert single_norm == pytest.approx(expected, rel=1e-6, abs=0)
-        assert tp_norm == pytest.approx(single_norm, rel=1e-6, abs=0)
+        assert tp_norm == approx(expected, rel=1e-6, abs=0)
+        assert single_norm == approx(expected, rel=1e-6, abs=0)
+        assert tp_norm == approx(single_norm, rel=1e-6, abs=0)

@@ -12,6 +12,7 @@ import torch
 from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import poison_step
+from tests.closeness import approx
 from trainer import checkpoint_state
 from trainer import preemption
 from trainer.preemption import PreemptionFlag
@@ -152,7 +153,7 @@ def test_train_loss_is_the_mean_over_the_logging_interval_and_loss_last_the_step
     assert sorted(means) == [4, 8]
     for end, mean in means.items():
         window = [steps[s] for s in range(end - 3, end + 1)]
-        assert mean == pytest.approx(sum(window) / 4, rel=1e-6)
+        assert mean == approx(sum(window) / 4, rel=1e-6)
         assert logged(tmp_path / "fourth", "train/loss_last")[end] == steps[end]
     assert means[8] != steps[8]
 

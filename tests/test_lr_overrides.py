@@ -13,6 +13,7 @@ from optim.routing import kind_of
 from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_checkpoint import make_trainer
+from tests.closeness import assert_close
 from trainer.config import to_dataclass
 
 COMMON = [
@@ -64,7 +65,7 @@ def check_scaled(deltas: dict[str, dict[str, torch.Tensor]]) -> None:
         # atol: the weights are stored in fp32, so each delta carries the rounding of p + delta,
         # up to an ulp of p (1.2e-7 for the norms' gammas at 1.0): two ulps. The deltas
         # themselves are 1e-4 and more, so a wrong scale misses by orders of magnitude.
-        torch.testing.assert_close(overridden[name], SCALES.get(kind, 1.0) * delta, rtol=1e-5, atol=2.5e-7,
+        assert_close(overridden[name], SCALES.get(kind, 1.0) * delta, rtol=1e-5, atol=2.5e-7,
                                    msg=lambda m: f"{name} ({kind}): {m}")
     assert set(SCALES) <= kinds and kinds - set(SCALES)  # named families and unnamed ones both seen
 
@@ -87,7 +88,7 @@ def test_the_overrides_multiply_the_same_families_under_dp_and_tp(layout):
     # other orders, which moves a few of AdamW's embedding updates (tiny sqrt(v)) by ~5e-7,
     # against updates of 1e-4 and more.
     for name, delta in single["overridden"].items():
-        torch.testing.assert_close(deltas[0]["overridden"][name], delta, rtol=1e-4, atol=1e-6)
+        assert_close(deltas[0]["overridden"][name], delta, rtol=1e-4, atol=1e-6)
 
 
 def test_an_unknown_family_is_refused_in_one_line():

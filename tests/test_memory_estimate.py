@@ -15,6 +15,7 @@ from eval.memory_plan import Dtypes, activation_memory, planned_memory, preset_c
 from parallel.mesh import Layout
 from tests.distributed import run_distributed
 from tests.prestarted import Started, start_python
+from tests.closeness import approx
 
 # 1 x 4096 tokens a rank (one sequence of the presets' 4k context, the micro-batch a long-context
 # run keeps on a GPU), bf16, Muon; each layout with checkpointing none and full.
@@ -135,7 +136,7 @@ def test_the_activation_formula_matches_the_estimate_under_checkpointing_and_chu
                                  spec.get("loss_chunks", 1), Dtypes.of("bf16", fsdp=True))["kept"]
         # what the chunked loss keeps, it makes inside its own backward: the tracker calls that "Temp"
         alive = got["after_forward"].get("Activation", 0) + got["after_forward"].get("Temp", 0)
-        assert alive == pytest.approx(kept, rel=0.01), spec
+        assert alive == approx(kept, rel=0.01), spec
 
 
 def test_the_planned_memory_is_within_ten_percent_of_the_estimate_at_scale(estimates):
@@ -146,8 +147,8 @@ def test_the_planned_memory_is_within_ten_percent_of_the_estimate_at_scale(estim
         layout = Layout(dp_shard=spec["dp_shard"], tp=spec.get("tp", 1), ep=spec.get("ep", 1))
         plan = planned_memory(preset_config(spec["model"]), layout, "muon", spec["batch_size"], spec["seq_len"],
                               spec["activation_checkpointing"])
-        assert plan["total"] == pytest.approx(got["peak"], rel=0.10), spec
+        assert plan["total"] == approx(got["peak"], rel=0.10), spec
         for part in ("params", "grads", "optimizer_state"):
-            assert plan[part] == pytest.approx(got[part], rel=0.01), (spec, part)
+            assert plan[part] == approx(got[part], rel=0.01), (spec, part)
         for part in ("activations", "gathered"):
-            assert plan[part] == pytest.approx(got[part], rel=0.10), (spec, part)
+            assert plan[part] == approx(got[part], rel=0.10), (spec, part)

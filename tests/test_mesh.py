@@ -118,24 +118,31 @@ def test_one_named_mesh_gives_contiguous_tp_and_strided_dp_groups():
         assert r["released"] and r["world_alive"]
 
 
-def _ep_mesh_worker(rank: int, world_size: int) -> dict:
+def _ep_mesh(rank: int, world_size: int) -> dict:
+    """Rank `rank`'s EP groups of an 8-rank dp 4 (ep 2 x edp 2) x tp 2 mesh, built by build_mesh
+    over fake process groups: the groups and their ranks are the real ones (what init_mesh
+    builds over gloo or NCCL is the same DeviceMesh code over another backend), without eight
+    processes on two cores to show it."""
     import torch.distributed as dist
 
     from parallel import comm
-    from parallel.mesh import build_mesh
+    from parallel.mesh import destroy_mesh, init_simulated_mesh
 
-    mesh = build_mesh(2, ep=2)  # dp 4 (ep 2 x edp 2) x tp 2
-    return {"ep_ranks": dist.get_process_group_ranks(mesh.ep_group),
-            "edp_ranks": dist.get_process_group_ranks(mesh.edp_group),
-            "labels": (comm.group_label(mesh.ep_group), comm.group_label(mesh.edp_group)),
-            "ep_rank": mesh.ep_rank, "describe": mesh.layout.describe()}
+    mesh = init_simulated_mesh({"tp": 2, "ep": 2}, world_size, rank, torch.device("cpu"))
+    try:
+        return {"ep_ranks": dist.get_process_group_ranks(mesh.ep_group),
+                "edp_ranks": dist.get_process_group_ranks(mesh.edp_group),
+                "labels": (comm.group_label(mesh.ep_group), comm.group_label(mesh.edp_group)),
+                "ep_rank": mesh.ep_rank, "describe": mesh.layout.describe()}
+    finally:
+        destroy_mesh()
 
 
 def test_expert_parallel_groups_are_consecutive_data_parallel_ranks():
     """parallel.ep unflattens the data-parallel ranks into (edp, ep), EP innermost: an EP group
     is ep consecutive DP ranks at one TP rank (neighbours, so the all-to-all stays close), and
     an edp group the ranks that hold the same experts."""
-    results = run_distributed(_ep_mesh_worker, 8)
+    results = [_ep_mesh(rank, 8) for rank in range(8)]
     for rank, r in enumerate(results):
         dp_rank, tp_rank = rank // 2, rank % 2
         first = dp_rank // 2 * 2  # the EP group's first DP rank

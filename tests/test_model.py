@@ -5,6 +5,7 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT, apply_rope, rope_tables
+from tests.closeness import assert_close, check
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -21,7 +22,7 @@ def test_changing_a_future_token_leaves_past_logits_unchanged():
     changed[:, 10] = (changed[:, 10] + 1) % 97
     with torch.no_grad():
         a, b = model(idx), model(changed)
-    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
     assert (a[:, 10:] - b[:, 10:]).abs().max() > 1e-4  # the change is visible from there on
 
 
@@ -39,12 +40,12 @@ def test_rope_scores_depend_only_on_relative_position():
 
     reference = score(7, 3)
     for shift in (1, 10, 40):
-        torch.testing.assert_close(score(7 + shift, 3 + shift), reference, rtol=1e-5, atol=1e-5)
+        assert_close(score(7 + shift, 3 + shift), reference, rtol=1e-5, atol=1e-5)
     # and it is not position-blind: a different offset gives a different score
     assert (score(9, 3) - reference).abs() > 1e-3
     # rotation preserves norms
     rq = apply_rope(q.view(1, 1, 1, -1), cos[5:6], sin[5:6])
-    torch.testing.assert_close(rq.norm(), q.norm())
+    assert_close(rq.norm(), q.norm())
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads():
@@ -61,7 +62,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     mha.load_state_dict(state)
     idx = torch.randint(0, 97, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
+        assert_close(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
 
 
 def test_loss_is_mean_cross_entropy_of_logits():
@@ -72,7 +73,7 @@ def test_loss_is_mean_cross_entropy_of_logits():
     with torch.no_grad():
         logits = model(idx)
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
-        torch.testing.assert_close(model(idx, tgt), expected)
+        assert_close(model(idx, tgt), expected)
 
 
 def test_output_rms_matches_direct_computation():
@@ -89,7 +90,7 @@ def test_output_rms_matches_direct_computation():
         h.remove()
     rms = model.pop_output_rms(n_tokens=3 * 10)
     expected = torch.stack([o.pow(2).mean().sqrt() for o in outputs])
-    torch.testing.assert_close(rms, expected, rtol=1e-5, atol=1e-6)
+    assert_close(rms, expected, rtol=1e-5, atol=1e-6)
     assert model.output_sq_sum.abs().sum() == 0  # reset after reading
     assert abs(rms[-1].item() - 1.0) < 0.05  # RMSNorm output with unit gamma has RMS ~1
 
@@ -114,7 +115,7 @@ def test_max_logit_matches_explicit_attention_scores():
             for i in range(9):
                 best = max(best, scores[:, i, : i + 1].max().item())
     assert len(found) == 1
-    assert abs(found[0].item() - best) < 1e-5
+    check("max logit", abs(found[0].item() - best), 1e-5)
 
 
 def test_residual_projections_use_depth_scaled_init():

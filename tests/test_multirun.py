@@ -30,8 +30,14 @@ TINY = [
 
 
 def run_train(args: list[str], cwd: Path = REPO, launcher: list[str] | None = None,
-              threads: str | None = "1") -> subprocess.CompletedProcess:
+              threads: str | None = "auto") -> subprocess.CompletedProcess:
+    """train.py with `args`, under `launcher` (torchrun) if given. `threads`: OMP_NUM_THREADS,
+    None for unset; "auto" is 1 under a launcher, whose processes share the cores, else unset:
+    one process forks from the suite's usual command server (tests/prestarted.py), whose
+    environment has none."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads == "auto":
+        threads = "1" if launcher else None
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
     env["WANDB_MODE"] = "disabled"

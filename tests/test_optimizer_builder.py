@@ -10,6 +10,7 @@ from model.gpt import GPT
 from optim.builder import build_optimizer
 from optim.config import MuonConfig, OptimConfig
 from optim.routing import MUON_KINDS
+from tests.closeness import assert_close
 
 CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=32, vocab_size=61)
 
@@ -59,7 +60,7 @@ def test_norm_gammas_decay_toward_zero_with_zero_gradient():
         p.grad = torch.zeros_like(p)
     opt.step()
     # AdamW with a zero gradient moves only by decoupled decay: w *= 1 - lr * wd
-    torch.testing.assert_close(m.final_norm.weight, torch.full_like(m.final_norm.weight, 0.95))
+    assert_close(m.final_norm.weight, torch.full_like(m.final_norm.weight, 0.95))
 
 
 def test_state_dict_round_trip_resumes_identically():

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, TEST_VOCAB, compose
 from tests.distributed import run_distributed
+from tests.closeness import check, check_relative
 from trainer.config import to_dataclass
 
 COMMON = [
     "model=gpt_tiny", "optim=adamw", "trainer.precision=fp32", "trainer.device=cpu", "trainer.max_steps=10",
     "trainer.seq_len=64", "logger.interval=1", "eval.interval=0", "eval.batches=4",
     "logger.wandb.mode=disabled", "logger.tensorboard=false", "logger.progress=none",
-    "optim.warmup_steps=3",
+    "optim.warmup_steps=3", TEST_VOCAB,
 ]
 
 
@@ -49,7 +50,7 @@ def losses(records: list[dict], key: str = "train/loss") -> list[float]:
 def assert_tracks(a: list[float], b: list[float], tol: float) -> None:
     assert len(a) == len(b) == 10
     for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= tol * abs(y), f"step {step}: {x} vs {y}"
+        check_relative(f"step {step}", x, y, tol)
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +80,11 @@ def test_dp2_tp2_adamw_tracks_the_single_process_run(tmp_path, single_2b):
     # fp64-accumulated norms: 3e-7 apart here; fp32 accumulation on CPU had them 5e-5 apart
     assert_tracks(losses(parallel, "optim/grad_norm"), losses(single_2b, "optim/grad_norm"), 1e-5)
     # eval is sharded over DP and reduced: the same number
-    assert abs(parallel[-1]["val/val/loss"] - single_2b[-1]["val/val/loss"]) < 1e-4
+    check("val/val/loss", abs(parallel[-1]["val/val/loss"] - single_2b[-1]["val/val/loss"]), 1e-4)
     # global throughput counts the global batch
     assert parallel[-1]["tokens"] == single_2b[-1]["tokens"]
     for key in ("model/weight_rms/head", "model/weight_rms/mlp_in", "optim/update_rms/embed"):
-        assert abs(parallel[-1][key] - single_2b[-1][key]) <= 1e-4 * abs(single_2b[-1][key]), key
+        check_relative(key, parallel[-1][key], single_2b[-1][key], 1e-4)
 
 
 @pytest.mark.slow
@@ -102,7 +103,7 @@ def test_torchrun_launch_matches_python_launch(tmp_path):
     a, b = losses(read_metrics(tmp_path / "tp2")), losses(read_metrics(tmp_path / "one"))
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-5 * abs(y)
+        check_relative("train/loss", x, y, 1e-5)
 
 
 def test_dp2_tp2_muon_tracks_the_single_process_run_and_logs_comm(tmp_path):
@@ -137,4 +138,4 @@ def test_moe_tp2_muon_tracks_the_single_process_run_and_logs_moe_metrics(tmp_pat
         assert 0.0 < last["moe/router_entropy/layer_1"] <= 1.3863  # at most ln(4)
         assert last["optim/update_rms/experts"] > 0
     for key in ("moe/load_imbalance/layer_1", "moe/bias_spread/layer_1"):
-        assert abs(parallel[-1][key] - single[-1][key]) <= 1e-5 * max(1.0, abs(single[-1][key])), key
+        check(key, abs(parallel[-1][key] - single[-1][key]), 1e-5 * max(1.0, abs(single[-1][key])))

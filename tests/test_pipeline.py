@@ -10,6 +10,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.test_parallel_training import _train_worker, assert_tracks, losses, read_metrics, train_in_process
+from tests.closeness import WELL_CONDITIONED, approx, check_relative
 
 MUON = ["optim=muon", "optim.muon.ns_dtype=fp32"]
 FAMILY = ["optim.muon.normuon=true", "optim.muon.ns_method=gram"]
@@ -59,12 +60,16 @@ def singles(tmp_path_factory):
 ], ids=["1f1b_family_qk_clip_clip", "gpipe_adamw", "interleaved_1f1b", "accum2", "moe",
         "interleaved_zero_bubble", "zbv", "compile", "dp2", "dp_shard2", "tp2", "moe_ep2"])
 def test_pipeline_training_tracks_the_single_process_run(tmp_path, singles, world, layout, options, per_rank, dp):
+    options = [*options, *WELL_CONDITIONED]  # the final parameters are compared too
     accum = 2 if "trainer.grad_accum=2" in layout else 1
     single_dir = singles(options + [f"trainer.batch_size={per_rank * dp * accum}"])
     single = read_metrics(single_dir)
-    run_distributed(_train_worker, world, str(tmp_path / "par"), options + layout + [f"trainer.batch_size={per_rank}"])
+    ranks = run_distributed(_logged_train_worker, world, str(tmp_path / "par"),
+                            options + layout + [f"trainer.batch_size={per_rank}"])
     piped = read_metrics(tmp_path / "par")
     assert_tracks(losses(piped), losses(single), 1e-5)
+    if world == 2:
+        assert_start_up_says_the_pipeline(tmp_path / "par", ranks, layout)
     assert_tracks(losses(piped, "optim/grad_norm"), losses(single, "optim/grad_norm"), 1e-5)
     assert_same_final_parameters(single_dir, tmp_path / "par", 1e-5)
     health = [k for k in single[-1] if k.startswith(HEALTH)]
@@ -72,7 +77,7 @@ def test_pipeline_training_tracks_the_single_process_run(tmp_path, singles, worl
     if "optim.qk_clip.enabled=true" in options:
         assert sum(r["optim/qk_clip/heads_clipped"] for r in single) > 0  # the clip did act
     for key in health:
-        assert piped[-1][key] == pytest.approx(single[-1][key], rel=1e-4), key
+        assert piped[-1][key] == approx(single[-1][key], rel=1e-4), key
     # each pipeline rank's optimizer step, timed where it runs
     assert all(piped[-1][f"perf/optim_step_s/pp_rank_{r}"] > 0 for r in range(2))
     if "optim.grad_clip=0.05" in options:
@@ -96,12 +101,55 @@ def test_pipeline_training_tracks_the_single_process_run(tmp_path, singles, worl
         assert expected == accum * p2p_bytes(2, 0, m, per_rank // m, seq, 64, 4, per_rank_stages)
 
 
+def _logged_train_worker(rank: int, world: int, run_dir: str, overrides: list[str]) -> dict:
+    """_train_worker, returning the model lines this rank logged and the parameters it holds."""
+    from parallel.mesh import build_mesh
+    from tests.conftest import compose
+    from tests.test_parallel_training import COMMON
+    from tests.test_start_checks import logged
+    from trainer.config import to_dataclass
+    from trainer.loop import Trainer
+
+    cfg = to_dataclass(compose(COMMON + overrides))
+    with logged("trainer") as said:
+        trainer = Trainer(cfg, Path(run_dir), build_mesh(cfg.parallel.tp, dp_shard=cfg.parallel.dp_shard,
+                                                         ep=cfg.parallel.ep, pp=cfg.parallel.pp))
+    trainer.train()
+    return {"model_lines": [line for line in said if line.startswith("model ")],
+            "params": sum(p.numel() for p in trainer.model.parameters())}
+
+
+def assert_start_up_says_the_pipeline(run_dir: Path, ranks: list[dict], layout: list[str]) -> None:
+    """Rank 0's start-up line counts every stage's parameters (before: its own stage's, 0.57M
+    of gpt_tiny's 1.15M) and names pp in the mesh; environment.json records the pipeline."""
+    import json
+
+    import yaml
+
+    model = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["model"]
+    whole, mine = ranks[0]["params"] + ranks[1]["params"], ranks[0]["params"]
+    [line] = ranks[0]["model_lines"]
+    assert ranks[1]["model_lines"] == [] and mine < whole
+    assert line.startswith(f"model {model['name']}: {whole / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this rank; "
+                           "mesh pp=2 dp_replicate=1 dp_shard=1 tp=1 ep=1; ")
+    recorded = json.loads((run_dir / "environment.json").read_text())["layout"]
+    options = dict(o.split("=", 1) for o in layout)
+    per_rank = int(options.get("parallel.pp_stages_per_rank", 1))
+    split = recorded.get("pp_layers_per_stage")
+    assert {k: v for k, v in recorded.items() if k.startswith("pp")} == {
+        "pp": 2, "pp_schedule": options.get("parallel.pp_schedule", "1f1b"), "pp_stages_per_rank": per_rank,
+        "pp_microbatches": int(options["parallel.pp_microbatches"]),
+        # gpt_tiny's and moe_tiny's 2 blocks, one a stage
+        "pp_layers_per_stage": [model["n_layers"] // 2] * 2 if per_rank == 1 else split}
+    assert len(split) == 2 * per_rank and sum(split) == model["n_layers"]
+
+
 def test_an_auxiliary_loss_joins_the_backward_on_its_own_stage(tmp_path):
     """moe_tiny's balance loss (model.aux_loss_coef > 0) lives in block 1, on stage 1: its
     gradient enters the backward there, and the logged loss includes it. A pipeline of 2
     micro-batches of 2 sequences computes it per micro-batch, as accumulating 2 batches of 2
     does in one process."""
-    options = MUON + MOE + ["model.aux_loss_coef=0.05", "eval.interval=5"]
+    options = MUON + MOE + ["model.aux_loss_coef=0.05", "eval.interval=5", *WELL_CONDITIONED]
     single = train_in_process(tmp_path / "single", options + ["trainer.batch_size=2", "trainer.grad_accum=2"])
     run_distributed(_train_worker, 2, str(tmp_path / "par"), options + PP2 + ["trainer.batch_size=4"])
     piped = read_metrics(tmp_path / "par")
@@ -109,13 +157,14 @@ def test_an_auxiliary_loss_joins_the_backward_on_its_own_stage(tmp_path):
     assert_same_final_parameters(tmp_path / "single", tmp_path / "par", 1e-5)
     # and the loss did move the router: without it the runs differ
     plain = train_in_process(tmp_path / "plain", MUON + MOE + ["eval.interval=5", "trainer.batch_size=2",
-                                                                "trainer.grad_accum=2"])
+                                                                "trainer.grad_accum=2", *WELL_CONDITIONED])
     assert max(abs(a - b) for a, b in zip(losses(plain), losses(single))) > 1e-4
 
 
 @pytest.mark.parametrize("world, bad, said", [
-    (2, ["parallel.pp=2", "parallel.pp_schedule=bogus"],
-     "error: parallel.pp_schedule='bogus': unknown schedule (expected one of gpipe, 1f1b, interleaved_1f1b, "
+    # Before: accepted without a word when parallel.pp=1, which reads no schedule.
+    (1, ["parallel.pp_schedule=bogus"],
+     "error: parallel.pp_schedule: unknown value 'bogus' (expected one of gpipe, 1f1b, interleaved_1f1b, "
      "interleaved_zero_bubble, zbv)"),
     (2, ["parallel.pp=2", "parallel.pp_microbatches=1"],
      "error: parallel.pp_schedule=1f1b needs parallel.pp_microbatches=1 to be at least parallel.pp=2 (a micro-batch "
@@ -129,6 +178,10 @@ def test_an_auxiliary_loss_joins_the_backward_on_its_own_stage(tmp_path):
     (2, ["parallel.pp=2", "parallel.pp_layers_per_stage=[1,2]"],
      "error: parallel.pp_layers_per_stage=[1, 2] must list 2 block counts (parallel.pp=2) that add up to "
      "model.n_layers=2"),
+    # Before: "... that add up to model.n_layers=2", which -1 + 3 does.
+    (2, ["parallel.pp=2", "parallel.pp_layers_per_stage=[-1,3]"],
+     "error: parallel.pp_layers_per_stage=[-1, 3]: a stage's block count cannot be negative (-1); each stage runs 0 "
+     "or more blocks"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=4",
          "trainer.compile=true"],
      "error: parallel.pp_schedule=zbv splits each backward into input and weight gradients, which compiled blocks "
@@ -144,8 +197,8 @@ def test_an_auxiliary_loss_joins_the_backward_on_its_own_stage(tmp_path):
      "error: trainer.batch_size=6 does not split into parallel.pp_microbatches=4 micro-batches of equal size"),
     (1, ["parallel.pp_layers_per_stage=[1,1]"],
      "error: parallel.pp_layers_per_stage=[1, 1] needs a pipeline (parallel.pp > 1)"),
-], ids=["schedule", "too_few_microbatches", "world", "split", "explicit_split", "zbv_compile", "zbv_microbatches",
-        "interleaved_rounds", "batch", "split_without_pp"])
+], ids=["schedule", "too_few_microbatches", "world", "split", "explicit_split", "negative_split", "zbv_compile",
+        "zbv_microbatches", "interleaved_rounds", "batch", "split_without_pp"])
 def test_a_bad_pipeline_is_one_line_with_exit_2_before_any_data_work(tmp_path, world, bad, said):
     """As torchrun would start rank 0 of `world` ranks: the check runs before the rendezvous."""
     import os
@@ -184,7 +237,7 @@ def assert_same_final_parameters(a: Path, b: Path, tol: float) -> None:
     pb = checkpoint_files.load(b / "checkpoints" / "step_00000010")["params"]
     assert sorted(pa) == sorted(pb)
     for name in pa:
-        assert ((pa[name] - pb[name]).norm() / pa[name].norm()).item() <= tol, name
+        check_relative(name, pb[name], pa[name], tol)
 
 
 def test_the_planned_split_and_placement():
@@ -213,9 +266,9 @@ def test_the_planners_bubble_and_memory_follow_the_schedules_formulas():
     from eval.pipeline_plan import bubble_fraction, in_flight, sends_per_microbatch
 
     p, m = 4, 8
-    assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == pytest.approx((p - 1) / (m + p - 1))
-    assert bubble_fraction("interleaved_1f1b", p, m, 2) == pytest.approx(((p - 1) / 2) / (m + (p - 1) / 2))
-    assert bubble_fraction("interleaved_zero_bubble", p, m, 2) == pytest.approx(((p - 1) / 6) / (m + (p - 1) / 6))
+    assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == approx((p - 1) / (m + p - 1))
+    assert bubble_fraction("interleaved_1f1b", p, m, 2) == approx(((p - 1) / 2) / (m + (p - 1) / 2))
+    assert bubble_fraction("interleaved_zero_bubble", p, m, 2) == approx(((p - 1) / 6) / (m + (p - 1) / 6))
     assert bubble_fraction("1f1b", 1, m) == 0.0  # one stage: nothing waits
     assert [in_flight("1f1b", p, m, r) for r in range(p)] == [4, 3, 2, 1]
     assert in_flight("gpipe", p, m, 3) == m

@@ -10,6 +10,7 @@ from eval import trace_stats as ts
 from tests.conftest import compose
 from tests.prestarted import run_python
 from tests.distributed import run_distributed
+from tests.closeness import approx
 from trainer.config import ConfigError, to_dataclass, validate
 
 FAST = [
@@ -77,7 +78,7 @@ def test_dp2_tp2_trace_reports_compute_and_communication_on_every_rank(dp2_run):
         assert r.comm_by_op.get("dp/reduce_scatter", 0) > 0 and r.comm_by_op.get("dp/all_gather", 0) > 0
         # Row-parallel outputs are all-reduced over TP, and Muon gathers the sharded momenta.
         assert r.comm_by_op.get("tp/all_reduce", 0) > 0 and r.comm_by_op.get("tp/all_gather", 0) > 0
-        assert sum(r.comm_by_op.values()) == pytest.approx(r.parts["comm"])
+        assert sum(r.comm_by_op.values()) == approx(r.parts["comm"])
 
 
 def test_analyze_trace_script_compares_two_runs(dp2_run):
@@ -130,7 +131,7 @@ def test_cpu_breakdown_unions_nested_events_and_partitions_the_step():
     assert s.optimizer_step == 30
     assert s.comm_by_op == {"dp/reduce_scatter": 10, "dp/all_gather": 10, "c10d::allgather_": 3,
                             "dp/all_reduce": 10}
-    assert sum(s.fractions.values()) == pytest.approx(1)
+    assert sum(s.fractions.values()) == approx(1)
 
 
 def test_cuda_breakdown_uses_the_device_timeline_and_launch_regions():
@@ -164,8 +165,8 @@ def test_comparison_reads_ratios_and_state_memory(tmp_path):
 
     (a, a_dir), (b, b_dir) = run("adamw", 40.0, 10.0, 2048.0), run("muon", 50.0, 16.0, 1024.0)
     c = ts.compare(a, b, a_dir, b_dir)
-    assert c.comm_ms == (0.02, 0.025) and c.comm_ratio == pytest.approx(1.25)
-    assert c.overhead == (0.05, 0.08) and c.overhead_difference == pytest.approx(3.0)
+    assert c.comm_ms == (0.02, 0.025) and c.comm_ratio == approx(1.25)
+    assert c.overhead == (0.05, 0.08) and c.overhead_difference == approx(3.0)
     assert c.state_bytes == (2048.0, 1024.0)
 
 

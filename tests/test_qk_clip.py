@@ -12,6 +12,7 @@ from optim.qk_clip import QKClip
 from tests.distributed import run_distributed
 from tests.test_model import tiny
 from tests.test_parallel_training import _train_worker, losses, read_metrics, train_in_process
+from tests.closeness import approx, assert_close, check_relative
 
 
 def hand_head_max(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ def clip_one_step(n_kv_heads: int):
 @pytest.mark.parametrize("n_kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_a_head_over_tau_has_its_rows_scaled_by_the_hand_computed_factor(n_kv_heads):
     model, idx, clip, tau, before, recorded, wq, wk = clip_one_step(n_kv_heads)
-    torch.testing.assert_close(recorded, before.float(), rtol=1e-5, atol=1e-5)
+    assert_close(recorded, before.float(), rtol=1e-5, atol=1e-5)
     gamma = tau / before[0, 1].item()
     head_dim = model.cfg.head_dim
     expected_q = wq[0].clone()
@@ -74,20 +75,20 @@ def test_a_head_over_tau_has_its_rows_scaled_by_the_hand_computed_factor(n_kv_he
         expected_k[head_dim : 2 * head_dim] *= math.sqrt(gamma)
     else:  # the key is shared with head 0: the query takes all of gamma, the key none
         expected_q[head_dim : 2 * head_dim] *= gamma
-    torch.testing.assert_close(model.blocks[0].attn.wq.weight, expected_q, rtol=1e-6, atol=0)
-    torch.testing.assert_close(model.blocks[0].attn.wk.weight, expected_k, rtol=1e-6, atol=0)
-    torch.testing.assert_close(model.blocks[1].attn.wq.weight, wq[1], rtol=0, atol=0)
-    torch.testing.assert_close(model.blocks[1].attn.wk.weight, wk[1], rtol=0, atol=0)
+    assert_close(model.blocks[0].attn.wq.weight, expected_q, rtol=1e-6, atol=0)
+    assert_close(model.blocks[0].attn.wk.weight, expected_k, rtol=1e-6, atol=0)
+    assert_close(model.blocks[1].attn.wq.weight, wq[1], rtol=0, atol=0)
+    assert_close(model.blocks[1].attn.wk.weight, wk[1], rtol=0, atol=0)
     # On the same batch the clipped head now peaks exactly at tau, and its layer's other heads
     # as before (later layers see a changed input, so their logits move).
     after = hand_head_max(model, idx)
-    assert after[0, 1].item() == pytest.approx(tau, rel=1e-5)
+    assert after[0, 1].item() == approx(tau, rel=1e-5)
     others = [h for h in range(4) if h != 1]
-    torch.testing.assert_close(after[0, others], before[0, others], rtol=1e-5, atol=1e-6)
+    assert_close(after[0, others], before[0, others], rtol=1e-5, atol=1e-6)
     metrics = {k: float(v) for k, v in clip.metrics().items()}
     assert metrics["optim/qk_clip/heads_clipped"] == 1
-    assert metrics["optim/qk_clip/max_logit"] == pytest.approx(before.max().item(), rel=1e-5)
-    assert metrics["optim/qk_clip/max_logit_after"] == pytest.approx(tau, rel=1e-5)
+    assert metrics["optim/qk_clip/max_logit"] == approx(before.max().item(), rel=1e-5)
+    assert metrics["optim/qk_clip/max_logit_after"] == approx(tau, rel=1e-5)
     # the maxima start again from nothing for the next step
     assert all(torch.isinf(b.attn.head_max_logit).all() for b in model.blocks)
 
@@ -114,12 +115,12 @@ def test_recording_attention_gives_the_sdpa_output_and_gradients():
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     # The logits are computed in fp32 (as under bf16 autocast): fp32 agreement, not fp64.
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert_close(out, ref, rtol=1e-6, atol=1e-6)
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        assert_close(g, r, rtol=1e-5, atol=1e-6)
     scores = q.detach() @ k.detach().repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(8)
     visible = torch.ones(10, 10, dtype=torch.bool).tril()
-    torch.testing.assert_close(head_max, scores[..., visible].amax(dim=(0, 2)).float(), rtol=1e-6, atol=1e-6)
+    assert_close(head_max, scores[..., visible].amax(dim=(0, 2)).float(), rtol=1e-6, atol=1e-6)
 
 
 def test_clip_off_never_takes_the_recording_path(monkeypatch, tmp_path):
@@ -153,12 +154,12 @@ def assert_same_clipped_run(parallel: list[dict], single: list[dict]) -> None:
     assert clipped[0] == 8 and sum(c > 0 for c in clipped) >= 8, clipped  # 2 layers x 4 heads at first
     for key, tol in (("train/loss", 1e-5), ("optim/qk_clip/max_logit", 1e-4), ("optim/qk_clip/max_logit_after", 1e-4)):
         for step, (x, y) in enumerate(zip(losses(parallel, key), losses(single, key)), start=1):
-            assert abs(x - y) <= tol * abs(y), f"{key} at step {step}: {x} vs {y}"
+            check_relative(f"{key} at step {step}", x, y, tol)
     assert losses(parallel, "optim/qk_clip/heads_clipped") == clipped
     for record in single:
         if "optim/qk_clip/max_logit_after" in record:
             expected = min(record["optim/qk_clip/max_logit"], 1.0)
-            assert record["optim/qk_clip/max_logit_after"] == pytest.approx(expected, rel=1e-5)
+            assert record["optim/qk_clip/max_logit_after"] == approx(expected, rel=1e-5)
 
 
 def test_dp2_zero1_with_the_clip_tracks_the_single_process_run(tmp_path, clipped_single):
@@ -172,7 +173,7 @@ def test_dp2_zero1_with_the_clip_tracks_the_single_process_run(tmp_path, clipped
     run_distributed(_train_worker, 2, str(off_dir), [o for o in CLIP if "qk_clip" not in o] + ["trainer.batch_size=2"])
     unclipped = read_metrics(off_dir)
     for key, extra in (("comm/dp/all_reduce_bytes", 2 * 4 * 4), ("comm/dp/all_reduce_calls", 1)):
-        assert parallel[-1][key] - unclipped[-1][key] == pytest.approx(extra, abs=1e-9), key
+        assert parallel[-1][key] - unclipped[-1][key] == approx(extra, abs=1e-9), key
 
 
 @pytest.mark.parametrize("tp_mode", ["gather", "gram"])

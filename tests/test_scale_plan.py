@@ -14,24 +14,25 @@ from model.gpt import GPT
 from scripts.bench_comm import measure, model_config
 from tests.prestarted import run_python
 from tests.test_model import tiny
+from tests.closeness import approx
 
 LINK = Link(bandwidth=100e9, latency=5e-6)
 
 
 def test_ring_collectives_match_hand_computed_times():
     # 8 ranks gathering 800 MB: 7 steps of 5 us, and 7/8 of 800 MB at 100 GB/s
-    assert ring_all_gather_s(800e6, 8, LINK) == pytest.approx(7 * 5e-6 + 0.007)
-    assert ring_all_reduce_s(800e6, 8, LINK) == pytest.approx(2 * (7 * 5e-6 + 0.007))
+    assert ring_all_gather_s(800e6, 8, LINK) == approx(7 * 5e-6 + 0.007)
+    assert ring_all_reduce_s(800e6, 8, LINK) == approx(2 * (7 * 5e-6 + 0.007))
     assert ring_all_gather_s(800e6, 1, LINK) == 0.0
 
 
 def test_all_reduce_takes_the_tree_when_latency_dominates():
     # 1,024 ranks, 4 KB: ring 2 x 1023 x 5 us = 10.2 ms; tree 2 x 10 x 5 us + 2 x 4 KB / 100 GB/s
     tree = 2 * 10 * 5e-6 + 2 * 4096 / 100e9
-    assert tree_all_reduce_s(4096, 1024, LINK) == pytest.approx(tree)
-    assert all_reduce_s(4096, 1024, LINK) == pytest.approx(tree)
+    assert tree_all_reduce_s(4096, 1024, LINK) == approx(tree)
+    assert all_reduce_s(4096, 1024, LINK) == approx(tree)
     # 8 ranks, 1 GB: the ring's 2 x 7/8 of the bytes beats the tree's 2 x all of them
-    assert all_reduce_s(1e9, 8, LINK) == pytest.approx(ring_all_reduce_s(1e9, 8, LINK))
+    assert all_reduce_s(1e9, 8, LINK) == approx(ring_all_reduce_s(1e9, 8, LINK))
     assert ring_all_reduce_s(1e9, 8, LINK) < tree_all_reduce_s(1e9, 8, LINK)
 
 
@@ -82,7 +83,7 @@ def test_each_design_holds_its_own_zero_buffers():
     ours = design_rows(params, dp, 1)["muon-ours"].dp_bytes // 8  # two fp32 collectives
     assert ours > even
     for design, flat in (("adamw-zero1", even), ("moonlight", even), ("megatron-poc", even), ("muon-ours", ours)):
-        assert steps[design].memory["grads"] == pytest.approx(4 * total + buffers(flat)), design
+        assert steps[design].memory["grads"] == approx(4 * total + buffers(flat)), design
 
 
 def saved_activation_bytes(model: GPT, batch: int, seq: int) -> int:
@@ -128,11 +129,11 @@ def test_a_job_inside_one_node_talks_over_nvlink_and_beyond_it_over_infiniband()
     one_node = predict(cfg, hw, 8, 1, 2**19, 1024, 1)["adamw-zero1"]
     two_nodes = predict(cfg, hw, 16, 1, 2**19, 1024, 1)["adamw-zero1"]
     flat = one_node.row.dp_bytes / 2
-    assert one_node.times["opt_dp_all_gather"] == pytest.approx(ring_all_gather_s(flat, 8, hw.nvlink))
+    assert one_node.times["opt_dp_all_gather"] == approx(ring_all_gather_s(flat, 8, hw.nvlink))
     flat16 = two_nodes.row.dp_bytes / 2
-    assert two_nodes.times["opt_dp_all_gather"] == pytest.approx(ring_all_gather_s(flat16, 16, hw.ib))
+    assert two_nodes.times["opt_dp_all_gather"] == approx(ring_all_gather_s(flat16, 16, hw.ib))
     # compute halves with twice the GPUs at the same global batch
-    assert two_nodes.times["compute"] == pytest.approx(one_node.times["compute"] / 2)
+    assert two_nodes.times["compute"] == approx(one_node.times["compute"] / 2)
 
 
 def test_a_missing_hardware_profile_names_the_file_and_the_known_ones(tmp_path):

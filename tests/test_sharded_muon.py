@@ -14,6 +14,7 @@ from optim.muon import Muon
 from optim.sharded_muon import ShardedMuon, exchange_bytes
 from parallel.fsdp import row_range
 from tests.distributed import run_distributed
+from tests.closeness import assert_close
 
 # 2-D matrices with rows that 2 and 3 ranks split unevenly (7, 5, 2 rows: one rank gets none
 # of the 2-row one at n=3), and an expert stack of 4 experts (n=3: 2, 2, 0 experts).
@@ -76,7 +77,7 @@ def test_sharded_muon_equals_muon_on_whole_matrices(world_size, variant):
     for i, full in enumerate(expected):
         got = torch.cat([r["shards"][i] for r in results])
         assert got.shape == full.shape
-        torch.testing.assert_close(got, full, rtol=0, atol=1e-6, msg=f"parameter {i} {SHAPES[i]}")
+        assert_close(got, full, rtol=0, atol=1e-6, msg=f"parameter {i} {SHAPES[i]}")
     assert all(r["momentum_sharded"] for r in results)
     # Two all-to-alls a step, and together they carry exactly what the formula says.
     assert [r["calls"] for r in results] == [2 * STEPS] * world_size
@@ -141,7 +142,7 @@ def test_param_groups_and_a_step_skipped_on_the_device_as_muon_does():
     expected = step_with_skip(Muon(groups_of(params), **OPTIONS), params, gradients)
     results = run_distributed(_grouped_worker, 2)
     for i, full in enumerate(expected):
-        torch.testing.assert_close(torch.cat([r[i] for r in results]), full, rtol=0, atol=1e-6,
+        assert_close(torch.cat([r[i] for r in results]), full, rtol=0, atol=1e-6,
                                    msg=f"parameter {i} {SHAPES[i]}")
     assert all(torch.isfinite(t).all() for r in results for t in r)
 
@@ -220,7 +221,7 @@ def test_dp_shard_2_x_tp_2_orthogonalises_the_whole_matrices(variant, tol):
     for i, (expected, split) in enumerate(zip(params, TP_SPLITS)):
         tp_parts = [torch.cat([results[dp * 2 + tp][i] for dp in range(2)]) for tp in range(2)]
         got = torch.cat(tp_parts, dim=split + expected.dim() - 2)
-        torch.testing.assert_close(got, expected.detach(), rtol=0, atol=tol, msg=f"matrix {i} {TP_SHAPES[i]}")
+        assert_close(got, expected.detach(), rtol=0, atol=tol, msg=f"matrix {i} {TP_SHAPES[i]}")
 
 
 # ---- NorMuon on heads cut by the shards, a checkpoint's round trip, and CUDA graphs ----
@@ -280,10 +281,10 @@ def test_normuon_on_heads_whose_rows_lie_on_two_ranks(world_size):
         opt.step()
     results = run_distributed(_heads_worker, world_size)
     for i, expected in enumerate(params):
-        torch.testing.assert_close(torch.cat([r["shards"][i] for r in results]), expected.detach(),
+        assert_close(torch.cat([r["shards"][i] for r in results]), expected.detach(),
                                    rtol=0, atol=1e-6, msg=f"heads {HEAD_SHAPES[i]}")
         v = opt.export_state(expected, opt.state[expected])["normuon_v"]
-        torch.testing.assert_close(torch.cat([r["v"][i] for r in results]), v, rtol=1e-6, atol=0)
+        assert_close(torch.cat([r["v"][i] for r in results]), v, rtol=1e-6, atol=0)
         assert v.unique().numel() > 1
 
 
@@ -332,7 +333,7 @@ def test_cuda_graphs_replay_the_owners_and_the_experts_newton_schulz():
         opt.step()
     results = run_distributed(_graphs_worker, 2)
     for i, full in enumerate(params):
-        torch.testing.assert_close(torch.cat([r["shards"][i] for r in results]), full.detach(), rtol=0, atol=1e-6,
+        assert_close(torch.cat([r["shards"][i] for r in results]), full.detach(), rtol=0, atol=1e-6,
                                    msg=f"parameter {i} {SHAPES[i]}")
     for r in results:
         # every batch eager at the first step, recorded at the second and replayed from then on

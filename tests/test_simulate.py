@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,9 @@ import torch.distributed as dist
 from parallel.comm import all_to_all_into, broadcast_object
 from parallel.expert_parallel import combine, dispatch
 from parallel.fsdp import row_range
-from parallel.mesh import destroy_mesh
+from parallel.mesh import Layout, Mesh, destroy_mesh
 from tests.conftest import REPO, compose
-from trainer.config import ConfigError, to_dataclass
+from trainer.config import ConfigError, register_configs, to_dataclass
 from trainer.preflight import preflight
 from trainer.simulate import MemoryPeak, memory_report, planned_memory_of
 
@@ -139,6 +140,10 @@ def test_a_simulated_rank_holds_its_real_shards_trains_its_share_and_saves_nothi
         assert all(math.isfinite(v) for k, v in row.items() if k.startswith("val/"))
     env = json.loads((run_dir / "environment.json").read_text())
     assert env["simulation"] == {"simulate_world": WORLD, "simulate_rank": rank, "processes": 1}
+    # What trainer/run_kind.py knows a simulation's dir by: a training run refuses it.
+    from trainer.run_kind import dir_records
+    assert dir_records(run_dir).simulation == ['2 rows marked "simulated": 1 in metrics.jsonl',
+                                               'the "simulation" entry of environment.json']
     resolved = (run_dir / "resolved_config.yaml").read_text()
     assert f"simulate_world: {WORLD}" in resolved and f"simulate_rank: {rank}" in resolved
     start = [r.message for r in caplog.records if r.message.startswith("SIMULATION: ")]
@@ -234,3 +239,45 @@ def test_a_simulation_that_cannot_run_is_refused_in_one_line_before_any_work(arg
     with pytest.raises(ConfigError) as err:
         preflight(argv, str(REPO / "conf"), launched)
     assert str(err.value) == said
+
+
+# Before: these ran (the FakeTensor estimate's and the simulation's work grows with every rank)
+# for minutes while their memory grew; now one line before anything is built.
+@pytest.mark.parametrize("argv, said", [
+    (["parallel.simulate_world=1000000", "parallel.dp_replicate=1", "parallel.dp_shard=-1"],
+     "parallel.dp_shard=-1 (1000000 ranks): FSDP2 shards every parameter by rows, and the widest of gpt_tiny (embed) "
+     "has 8192 rows on a rank of this layout: shard ranks beyond 8192 would hold nothing; shard over at most 8192 "
+     "ranks (replicate for more data parallelism)"),
+    (["parallel.simulate_world=1000000"],
+     "parallel.simulate_world=1000000: 1000000 ranks, more than the 131072 (2^17) a dry run takes: beyond the "
+     "largest GPU clusters of today, and the dry run's work grows with every rank"),
+], ids=["dp_shard_rows", "world"])
+def test_a_layout_too_large_to_simulate_is_refused_naming_the_bound(argv, said):
+    register_configs()  # what train.py does before its preflight
+    with pytest.raises(ConfigError) as err:
+        preflight(argv, str(REPO / "conf"), 1)
+    assert str(err.value) == said
+
+
+def test_a_simulation_larger_than_this_machine_is_refused_before_anything_is_built(monkeypatch):
+    """Before: gpt_8b on a 23 GB machine printed nothing for minutes and was then killed. The
+    machine here is made small (1 GiB), not the model large."""
+    import trainer.simulate as simulate
+
+    monkeypatch.setattr(simulate, "host_memory", lambda device: (1 << 30, "its RAM"))
+    argv = ["model=gpt_tiny", "parallel.simulate_world=8", "parallel.dp_shard=8", "trainer.device=cpu",
+            "trainer.precision=fp32", "trainer.batch_size=64", "trainer.seq_len=512"]
+    cfg = to_dataclass(compose(argv))
+    planned = planned_memory_of(cfg, replace(cfg.model, vocab_size=cfg.data.vocab_size),
+                                Mesh(0, 8, Layout(dp_shard=8)))["total"]
+    assert planned > 1 << 30  # the activations of 64 x 512 tokens in fp32
+    with pytest.raises(ConfigError) as err:
+        preflight(argv, str(REPO / "conf"), 1)
+    assert str(err.value) == (
+        f"parallel.simulate_world=8: the memory plan puts rank 0 of this layout at {planned / (1 << 30):.1f} GiB, "
+        "more than this machine's 1.0 GiB (its RAM), so it would swap or be killed after minutes of building; "
+        "shrink the model, the batch or the layout's share per rank, or set parallel.simulate_force=true to run it "
+        "anyway")
+    assert preflight(argv + ["parallel.simulate_force=true"], str(REPO / "conf"), 1) is not None
+    monkeypatch.setattr(simulate, "host_memory", lambda device: (int(planned) + 1, "its RAM"))
+    assert preflight(argv, str(REPO / "conf"), 1) is not None

@@ -24,7 +24,7 @@ from tests.prestarted import run_python
 from trainer.config import ParallelConfig, to_dataclass
 from trainer.launch import resume_command
 from trainer.preflight import check_config, config_warnings, preflight
-from trainer.resume_checks import schedule_changes
+from trainer.resume_checks import fp8_change, schedule_changes
 
 PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_small, moe_tiny"
 
@@ -66,8 +66,10 @@ FAMILY_WITHOUT_PLUS = ("optim.lr_overrides.embed: not set yet: optim.lr_override
 BAD_INPUTS = [
     (["optim.muon.ns_steps=-1"], "error: optim.muon.ns_steps must be >= 1, got -1"),
     (["optim.muon.momentum=1.5"], "error: optim.muon.momentum must lie in [0, 1), got 1.5"),
-    (["optim.muon.eps=0"], "error: optim.muon.eps must be > 0, got 0.0"),
+    (["optim.muon.eps=0"], "error: optim.muon.eps must be a finite number > 0, got 0.0"),
     (["optim.qk_clip.tau=0"], "error: optim.qk_clip.tau must be > 0, got 0.0"),
+    # Before: "optim.min_lr=0.0003 must lie in [0, optim.lr=nan]", blaming the key not typed.
+    (["optim.lr=nan"], "error: optim.lr must be a finite number > 0, got nan"),
     (["trainer.max_steps=abc"], "error: trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"),
     (["trainer.max_stepz=3"], "error: trainer.max_stepz: no such key (did you mean trainer.max_steps?)"),
     (["model=nonexistent"], f"error: model=nonexistent: no such preset (available: {PRESETS})"),
@@ -153,6 +155,48 @@ def test_a_resume_that_changes_the_schedule_names_old_and_new():
     assert schedule_changes(saved, longer) == [
         "resumed with another learning-rate schedule than the checkpoint's (trainer.max_steps 100 -> 300, "
         "optim.schedule cosine -> wsd): every step from the resume on follows the new one"]
+
+
+def test_a_resume_that_switches_fp8_says_so():
+    from dataclasses import asdict
+
+    saved = asdict(to_dataclass(compose(["trainer.fp8=tensorwise"])))
+    assert fp8_change(saved, to_dataclass(compose(["trainer.fp8=tensorwise"]))) == []
+    assert fp8_change(saved, to_dataclass(compose([]))) == [
+        "resumed with trainer.fp8=none, but the checkpoint was trained with trainer.fp8=tensorwise: the block "
+        "matmuls from the resume on run in another precision (the weights carry over unchanged)"]
+    assert fp8_change(asdict(to_dataclass(compose([]))), to_dataclass(compose(["trainer.fp8=rowwise"]))) == [
+        "resumed with trainer.fp8=rowwise, but the checkpoint was trained with trainer.fp8=none: the block "
+        "matmuls from the resume on run in another precision (the weights carry over unchanged)"]
+    assert fp8_change(saved, to_dataclass(compose(["trainer.fp8=tensorwise", "trainer.fp8_filter=all"]))) == [
+        "resumed with trainer.fp8_filter=all, but the checkpoint was trained with trainer.fp8_filter=auto: other "
+        "block linears run in float8 from the resume on"]
+    assert fp8_change({"trainer": {}}, to_dataclass(compose(["trainer.fp8=rowwise"]))) == []  # saved before fp8
+
+
+# Before, all accepted: NaN, which compares false with everything (so `x <= 0` lets it through),
+# inf where only a finite value means something, and the model's float keys, never checked.
+NONFINITE = [
+    ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
+    ("optim.eps=nan", "optim.eps must be a finite number > 0, got nan"),
+    ("optim.weight_decay=inf", "optim.weight_decay must be a finite number >= 0, got inf"),
+    ("trainer.peak_tflops=inf", "trainer.peak_tflops must be a finite number >= 0 (0 = measure at start-up), got inf"),
+    ("model.rope_theta=nan", "model.rope_theta must be a finite number > 0, got nan"),
+    ("model.norm_eps=-1e-5", "model.norm_eps must be a finite number > 0, got -1e-05"),
+    ("model.init_std=nan", "model.init_std must be a finite number > 0, got nan"),
+    ("model.aux_loss_coef=nan", "model.aux_loss_coef must be a finite number >= 0, got nan"),
+    ("logger.wandb.init_timeout_s=nan", "logger.wandb.init_timeout_s must be >= 1, got nan"),
+    ("parallel.timeout_s=inf", "parallel.timeout_s must be a finite number > 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("override, said", NONFINITE, ids=[override for override, _ in NONFINITE])
+def test_nan_and_inf_are_refused_naming_their_key(override, said):
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(to_dataclass(compose([override])))
+    assert str(err.value) == said
 
 
 def test_the_resume_command_repeats_the_command_line_with_the_dir_pinned(tmp_path):

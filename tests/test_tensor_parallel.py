@@ -16,6 +16,7 @@ from parallel.tp_layers import padded_vocab, vocab_parallel_cross_entropy
 from parallel.tp_ops import gather_from_tp
 from optim.grad_ops import average_gradients, clip_gradients
 from tests.distributed import run_distributed
+from tests.closeness import check
 from parallel.mesh import build_mesh
 
 VOCAB = 97  # not divisible by 2 or 4: exercises the vocabulary padding
@@ -91,7 +92,7 @@ def test_tp_dp_model_equals_single_process(tp, dp):
     results = run_distributed(_equivalence_worker, tp * dp, tp, 2 if tp <= 2 else 4)
     for rank, errors in enumerate(results):
         for what, err in errors.items():
-            assert err <= 1e-5, f"rank {rank}: {what} relative error {err:.2e}"
+            check(f"rank {rank}: {what} relative error", err, 1e-5)
 
 
 def _cross_entropy_worker(rank: int, world: int, vocab: int) -> float:
@@ -114,7 +115,7 @@ def _cross_entropy_worker(rank: int, world: int, vocab: int) -> float:
 @pytest.mark.parametrize("world, vocab", [(2, 10), (4, 10), (4, 12)])
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(world, vocab):
     for err in run_distributed(_cross_entropy_worker, world, vocab):
-        assert err < 1e-5
+        check("relative error", err, 1e-5)
 
 
 def test_tp_divisibility_errors_name_the_key():

@@ -47,6 +47,7 @@ class BuiltModel:
     stages: list[StageModule]  # this rank's pipeline stages ([] without a pipeline)
     plan: Optional[StagePlan]  # None without a pipeline
     fp8: FP8Report  # what trainer.fp8 converted
+    n_params: int  # the whole model's (every stage's, TP slice and expert), as one process holds it
 
 
 def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: torch.device) -> BuiltModel:
@@ -57,6 +58,7 @@ def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: 
     with torch.device("meta"):
         model = GPT(model_cfg, init_seed=cfg.seed)
     logical_shapes = {name: p.shape for name, p in model.named_parameters()}
+    n_params = sum(shape.numel() for shape in logical_shapes.values())
     plan = stage_plan(cfg, mesh.pp_rank) if mesh.pp > 1 else None
     if plan is not None:
         keep_stages(model, plan.blocks, plan.holds_first, plan.holds_last)
@@ -66,7 +68,8 @@ def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: 
     # is set up on the weights FSDP2 then shards (model/fp8.py). A GPU without float8 units stops here.
     if cfg.trainer.fp8 != "none" and (reason := fp8_unsupported(device)) is not None:
         raise dev.DeviceError(f"trainer.fp8={cfg.trainer.fp8}: {reason}")
-    fp8 = convert_to_fp8(model, cfg.trainer.fp8, cfg.trainer.fp8_filter, mesh.layout.dp_shard > 1, device)
+    fp8 = convert_to_fp8(model, cfg.trainer.fp8, cfg.trainer.fp8_filter, mesh.layout.dp_shard > 1, device,
+                         cfg.trainer.precision)
     # Checkpoint wrapping before FSDP2 (and compile, later, per block): the order that composes.
     apply_activation_checkpointing(model, cfg.trainer.activation_checkpointing)
     stages = stage_modules(model, plan) if plan is not None else []
@@ -85,7 +88,7 @@ def build_pipeline_model(cfg: TrainConfig, vocab_size: int, mesh: Mesh, device: 
                 RankParts.of(mesh.tp_group, mesh.ep_group))
     if fp8.all_gather:  # the scales of the weights just drawn, for the first forward's all-gather
         refresh_weight_scales(stages or [model])
-    return BuiltModel(model, stages, plan, fp8)
+    return BuiltModel(model, stages, plan, fp8, n_params)
 
 
 def prepare_data_once(cfg: TrainConfig, mesh: Mesh) -> PreparedData:
@@ -119,14 +122,20 @@ def check_same_corpus(corpus_id: str, mesh: Mesh) -> None:
         )
 
 
-def model_line(name: str, params: list[torch.Tensor], mesh: Mesh, tokens_per_step: int, corpus_id: str) -> str:
-    """The start-up line: the model's parameters and this rank's share of them (its FSDP2
-    rows, TP slices and EP experts), and the whole layout as the parallel.* keys name it."""
+def model_line(name: str, params: list[torch.Tensor], mesh: Mesh, tokens_per_step: int, corpus_id: str,
+               n_params: Optional[int] = None) -> str:
+    """The start-up line: the model's parameters and this rank's share of them (its pipeline
+    stages, FSDP2 rows, TP slices and EP experts), and the whole layout as the parallel.* keys
+    name it. `n_params`: the whole model's count, which a pipeline rank, holding only its
+    stages, cannot count from `params` (build_pipeline_model's BuiltModel.n_params)."""
     total = sum(getattr(p, "logical_numel", p.numel()) for p in params)  # TP/EP: the logical size
+    if mesh.pp > 1 and n_params is not None:
+        total = n_params
     mine = sum(local_rows(p.detach())[0].numel() for p in params)
     layout = mesh.layout
+    pp = f"pp={layout.pp} " if layout.pp > 1 else ""
     return (f"model {name}: {total / 1e6:.2f}M parameters, {mine / 1e6:.2f}M on this rank; mesh "
-            f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} ep={layout.ep}; "
+            f"{pp}dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} ep={layout.ep}; "
             f"{tokens_per_step} tokens per step; corpus {corpus_id}")
 
 

@@ -26,6 +26,7 @@ from optim.muon_settings import NS_DTYPES, ns_by_shape_problem
 from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
 from optim.ns_method import NS_METHODS
 from optim.routing import ALL_KINDS
+from parallel.pipeline import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -171,6 +172,11 @@ class ParallelConfig:
     # and it writes no checkpoint (trainer/simulate.py).
     simulate_world: int = 0
     simulate_rank: int = 0
+    # A simulation whose planned memory for the rank (eval/memory_plan.py) exceeds this
+    # machine's (a CPU's RAM, a GPU's memory) is refused at start, before anything is built: it
+    # would swap or be killed minutes later. true runs it anyway (the plan leaves out what it
+    # cannot count, and the process may fit where the plan says it does not).
+    simulate_force: bool = False
 
 
 def reshard_after_forward(parallel: ParallelConfig) -> bool:
@@ -286,9 +292,17 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: unknown value {value!r} (expected one of {', '.join(allowed)})")
 
 
-def _positive(key: str, value: int, minimum: int = 1) -> None:
-    if value < minimum:
+def _positive(key: str, value: float, minimum: int = 1) -> None:
+    if not value >= minimum:  # also rejects NaN, which `value < minimum` lets through
         raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+
+
+def _finite(key: str, value: float, zero_allowed: bool = False, note: str = "") -> None:
+    """A float that must be finite and > 0 (>= 0 with `zero_allowed`). Written as "not (what
+    must hold)": every comparison with NaN is false, so NaN fails it, where `value <= 0` would
+    let NaN through."""
+    if not (0 <= value if zero_allowed else 0 < value) or not value < math.inf:
+        raise ConfigError(f"{key} must be a finite number {'>=' if zero_allowed else '>'} 0{note}, got {value}")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -318,8 +332,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     _positive("model.loss_chunks", m.loss_chunks)
     _positive("trainer.nonfinite_max_consecutive", t.nonfinite_max_consecutive)
-    if not t.peak_tflops >= 0:  # also rejects NaN
-        raise ConfigError(f"trainer.peak_tflops must be >= 0 (0 = measure at start-up), got {t.peak_tflops}")
+    _finite("trainer.peak_tflops", t.peak_tflops, zero_allowed=True, note=" (0 = measure at start-up)")
 
     # Checked on dense models too: a typo there is still a typo.
     _choice("model.score_func", m.score_func, ("sigmoid", "softmax"))
@@ -336,6 +349,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}"
         )
+    _finite("model.rope_theta", m.rope_theta)
+    _finite("model.norm_eps", m.norm_eps)
+    _finite("model.init_std", m.init_std)
+    _finite("model.bias_update_rate", m.bias_update_rate, zero_allowed=True)
+    _finite("model.aux_loss_coef", m.aux_loss_coef, zero_allowed=True)
 
     _choice("optim.name", o.name, ("muon", "adamw"))
     _choice("optim.muon.ns_dtype", o.muon.ns_dtype, ("auto", *NS_DTYPES))
@@ -350,16 +368,13 @@ def validate(cfg: TrainConfig) -> None:
         if not 0 <= value < 1:  # also rejects NaN
             raise ConfigError(f"{key} must lie in [0, 1), got {value}")
     for key, value in (("optim.eps", o.eps), ("optim.muon.eps", o.muon.eps)):
-        if not value > 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
+        _finite(key, value)
     _positive("optim.muon.ns_steps", o.muon.ns_steps)
-    if not o.weight_decay >= 0:
-        raise ConfigError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    _finite("optim.weight_decay", o.weight_decay, zero_allowed=True)
     if not o.grad_clip >= 0:  # a negative value used to turn clipping off without a word
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 turns clipping off)")
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
-    if o.lr <= 0:
-        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    _finite("optim.lr", o.lr)
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("optim.warmup_steps", o.warmup_steps, minimum=0)
@@ -405,12 +420,14 @@ def validate(cfg: TrainConfig) -> None:
         if value != -1:
             _positive(f"parallel.{key}", value)
     _choice("parallel.backend", cfg.parallel.backend, ("auto", "nccl", "gloo"))
+    # Checked without a pipeline too (parallel.pp=1 reads no other pp_* key): a typo there is
+    # still a typo, and it would surface only on the run that turns the pipeline on.
+    _choice("parallel.pp_schedule", cfg.parallel.pp_schedule, tuple(SCHEDULES))
     _positive("parallel.simulate_world", cfg.parallel.simulate_world, minimum=0)
     if cfg.parallel.simulate_world and not 0 <= cfg.parallel.simulate_rank < cfg.parallel.simulate_world:
         raise ConfigError(f"parallel.simulate_rank={cfg.parallel.simulate_rank} must lie in [0, "
                           f"parallel.simulate_world={cfg.parallel.simulate_world})")
-    if not cfg.parallel.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s must be > 0, got {cfg.parallel.timeout_s}")
+    _finite("parallel.timeout_s", cfg.parallel.timeout_s)
     _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _profile_steps(cfg.profile, t.max_steps)

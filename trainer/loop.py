@@ -32,7 +32,7 @@ from trainer.config import TrainConfig
 from parallel.fsdp import sync_gradients
 from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
-from trainer.resume_checks import corpus_change, schedule_changes
+from trainer.resume_checks import resume_changes
 from trainer.interrupts import exit_if_interrupted_during_start_up
 from trainer.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
@@ -41,7 +41,7 @@ from trainer.sinks import MetricSinks, set_aside_rows_after
 from model.fp8 import refresh_weight_scales
 from trainer.build import build_pipeline_model, measured_peak_flops, model_line, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
-from trainer.pipeline import PipelineRun, merged_over
+from trainer.pipeline import PipelineRun, merged_over, pipeline_record
 from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
 from trainer.skips import SkipCounter, flag_step
 
@@ -87,6 +87,7 @@ class Trainer:
         self.data = prepare_data_once(cfg, self.mesh)
         built = build_pipeline_model(cfg, self.data.vocab_size, self.mesh, self.device)
         self.model, stages, plan, self.fp8 = built.model, built.stages, built.plan, built.fp8
+        self.n_params = built.n_params
         self.model_cfg = self.model.cfg
         self.sharded = self.mesh.layout.dp_shard > 1
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -161,6 +162,12 @@ class Trainer:
                 set_aside_rows_after(run_dir, self.step)
             path = Path(resumed["path"])
             self.checkpoints.resumed_from(path, checkpoint_files.suspicion(path) is not None)
+        elif self.speaks:
+            # Rows of an earlier start that this fresh one logs again (one killed before its
+            # first checkpoint, or a checkpoint.resume=none rerun): one row per step, as after a resume.
+            set_aside_rows_after(run_dir, 0, starts_fresh=(
+                "a simulation resumes nothing" if simulate.simulating(cfg) else
+                "checkpoint.resume=none" if cfg.checkpoint.resume == "none" else "no checkpoint to resume from"))
         self.environment: dict = {}
         if self.speaks:
             if simulate.simulating(cfg):
@@ -170,15 +177,17 @@ class Trainer:
                 dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
                 dp_shard=self.mesh.layout.dp_shard, ep=self.mesh.ep,
                 simulated_rank=self.mesh.rank if simulate.simulating(cfg) else None,
+                pp=self.mesh.pp, pipeline=pipeline_record(cfg) if plan is not None else None,
             )
             self._write_resolved_config()
             run_env.save_tokenizer(run_dir, self.data.tokenizer)
             run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
             if resumed is not None:
-                for line in corpus_change(resumed["config"], self.data.corpus_id) + schedule_changes(resumed["config"], cfg):
+                for line in resume_changes(resumed["config"], self.data.corpus_id, cfg):
                     log.warning(line)
             log.info(self.data.startup_line())
-            log.info(model_line(self.model_cfg.name, self.params, self.mesh, self.tokens_per_step, self.data.corpus_id))
+            log.info(model_line(self.model_cfg.name, self.params, self.mesh, self.tokens_per_step, self.data.corpus_id,
+                                self.n_params))
             if self.fp8.recipe != "none":
                 log.info(self.fp8.line())
             log.info(

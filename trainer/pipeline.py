@@ -102,6 +102,17 @@ def stage_plan(cfg: TrainConfig, pp_rank: int) -> StagePlan:
     return StagePlan(spec, ids, [every[i] for i in ids])
 
 
+def pipeline_record(cfg: TrainConfig) -> dict:
+    """The pipeline as environment.json's layout records it (trainer/run_env.py): its schedule,
+    stages per rank, micro-batches and blocks per stage (what parallel.pp_layers_per_stage
+    would set), each stage's in stage order."""
+    spec = pipeline_spec(cfg)
+    return {"pp_schedule": spec.schedule, "pp_stages_per_rank": spec.stages_per_rank,
+            "pp_microbatches": spec.microbatches,
+            "pp_layers_per_stage": blocks_per_stage(cfg.model.n_layers, spec.num_stages,
+                                                    list(cfg.parallel.pp_layers_per_stage), stage_keys(cfg))}
+
+
 def stage_modules(model: GPT, plan: StagePlan) -> list[StageModule]:
     last = plan.spec.num_stages - 1
     return [StageModule(model, layers, i == 0, i == last) for i, layers in zip(plan.ids, plan.layers)]

@@ -173,17 +173,17 @@ def sweep_jobs(overrides: list[str], sweeper_params: dict[str, str]) -> list[lis
 def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) -> TrainConfig:
     """Every check of a job's config that needs no data, model or network, in one place for the
     preflight and for main(): the values, the layout for `world_size` ranks (the launched
-    processes, or parallel.simulate_world in a simulation), the model's fit with it, the data
-    source, the optional packages it switches on, this node's devices (unless `devices_here` is
-    False: the job runs on another machine), the checkpoint to resume (a run dir becomes its
-    newest good checkpoint)."""
+    processes, or parallel.simulate_world in a simulation), the model's fit with it, a
+    simulation's fit with this machine's memory, the data source, the optional packages it
+    switches on, this node's devices (unless `devices_here` is False: the job runs on another
+    machine), the checkpoint to resume (a run dir becomes its newest good checkpoint)."""
     from data.source_checks import check_data_config, check_data_packages
     from model.moe import check_moe_config
     from model.parallelize import check_ep, check_tp_divisibility
     from parallel.mesh import check_layout
     from trainer.device import check_device
     from trainer.pipeline import check_pipeline
-    from trainer.simulate import check_simulation
+    from trainer.simulate import check_simulated_memory, check_simulation
     from trainer.sinks import check_sink_packages
 
     typed = to_dataclass(cfg)
@@ -195,6 +195,9 @@ def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) ->
     check_tp_divisibility(typed.model, typed.parallel.tp, split_experts=typed.parallel.ep == 1)
     check_ep(typed.model, typed.parallel.ep)
     check_pipeline(typed)
+    # Before any data or model work, which for a layout too large for this machine would run for
+    # minutes, printing nothing, and then be killed.
+    check_simulated_memory(typed)
     check_data_config(typed.data)
     # Optional packages the config switches on: missing, they would stop the run only
     # after the corpus is built.

@@ -1,5 +1,5 @@
 """What a resumed run changes against the checkpoint it resumes: said in one warning each, since
-either makes the run after the resume a different experiment from its first part."""
+each makes the run after the resume a different experiment from its first part."""
 from __future__ import annotations
 
 from typing import Any
@@ -40,3 +40,27 @@ def schedule_changes(saved_config: dict[str, Any], cfg: TrainConfig) -> list[str
     named = ", ".join(f"{k} {old} -> {new}" for k, old, new in changed)
     return [f"resumed with another learning-rate schedule than the checkpoint's ({named}): every step from the "
             "resume on follows the new one"]
+
+
+def fp8_change(saved_config: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """One line when trainer.fp8 (or, with FP8 on both sides, trainer.fp8_filter) differs from the
+    checkpoint's: the weights load either way (they stay in high precision, model/fp8.py), so
+    nothing else would tell that the matmuls after the resume run in another precision."""
+    trainer = saved_config.get("trainer") or {}
+    old, new = trainer.get("fp8"), cfg.trainer.fp8
+    if old is None:  # a checkpoint from before trainer.fp8
+        return []
+    if old != new:
+        return [f"resumed with trainer.fp8={new}, but the checkpoint was trained with trainer.fp8={old}: the block "
+                "matmuls from the resume on run in another precision (the weights carry over unchanged)"]
+    old_filter, new_filter = trainer.get("fp8_filter"), cfg.trainer.fp8_filter
+    if new != "none" and old_filter is not None and old_filter != new_filter:
+        return [f"resumed with trainer.fp8_filter={new_filter}, but the checkpoint was trained with "
+                f"trainer.fp8_filter={old_filter}: other block linears run in float8 from the resume on"]
+    return []
+
+
+def resume_changes(saved_config: dict[str, Any], corpus_id: str, cfg: TrainConfig) -> list[str]:
+    """Every warning a resume gives against the checkpoint's config (`saved_config`): the corpus,
+    the learning-rate schedule, FP8."""
+    return corpus_change(saved_config, corpus_id) + schedule_changes(saved_config, cfg) + fp8_change(saved_config, cfg)

@@ -83,9 +83,13 @@ def device_name(device: torch.device) -> str:
 
 def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
                 corpus: dict[str, Any], dp_shard: int = 1, ep: int = 1,
-                simulated_rank: Optional[int] = None) -> dict[str, Any]:
+                simulated_rank: Optional[int] = None, pp: int = 1,
+                pipeline: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """`simulated_rank`: this process ran alone as that rank of the `world_size`-rank layout
-    (parallel.simulate_world, trainer/simulate.py), None for a training run."""
+    (parallel.simulate_world, trainer/simulate.py), None for a training run. `pipeline`: under
+    a pipeline (pp > 1), its schedule and stage split (trainer/pipeline.py pipeline_record),
+    recorded in the layout with pp; without one the layout has no pp key, as every record
+    written before pipelines existed (a reader takes pp as 1)."""
     import torch
 
     record = {
@@ -102,7 +106,8 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
         "world_size": world_size,
         # dp_shard: the data-parallel ranks that shard the parameters (FSDP2), of dp; ep: the
         # data-parallel ranks that spread the experts among them
-        "layout": {"dp": dp, "tp": tp, "backend": backend, "dp_shard": dp_shard, "ep": ep},
+        "layout": {"dp": dp, "tp": tp, "backend": backend, "dp_shard": dp_shard, "ep": ep,
+                   **({"pp": pp, **(pipeline or {})} if pp > 1 else {})},
         "corpus": corpus,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

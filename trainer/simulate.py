@@ -231,6 +231,54 @@ def planned_memory_of(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> d
                           t.activation_checkpointing, model_cfg.loss_chunks, t.precision)
 
 
+# ---- Whether a simulation fits this machine, checked before anything is built ----
+
+def host_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they are) of the memory one simulated rank on `device` can have: a GPU's
+    own memory, else the machine's physical RAM (a CPU rank's tensors live there)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"the memory of its {props.name}"
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "its RAM"
+
+
+def check_simulated_memory(cfg: TrainConfig) -> None:
+    """Raise ConfigError, in one line, for a simulation that cannot fit this machine, unless
+    parallel.simulate_force: a layout too large to plan (eval/layout_limits.py), or one whose
+    planned memory for the rank exceeds the host's (host_memory). It would otherwise build the
+    corpus and the model for minutes, printing nothing, and then swap or be killed. The plan
+    takes the model with the vocabulary its tokenizer will have (data.vocab_size for the BPE
+    the run trains, the preset's documented one for a pretrained tokenizer) and the precision
+    "auto" resolves to here. Call after check_simulation has checked the layout."""
+    from eval.layout_limits import oversized
+    from eval.memory_plan import DEFAULT_VOCAB, PRESET_VOCAB
+    from optim.fast_dtype import resolve_precision
+
+    p, t = cfg.parallel, cfg.trainer
+    if not simulating(cfg) or p.simulate_force:
+        return
+    world = f"parallel.simulate_world={p.simulate_world}"
+    layout = check_layout(p.simulate_world, layout_keys(p))
+    vocab = cfg.model.vocab_size or (cfg.data.vocab_size if cfg.data.tokenizer is None
+                                     else PRESET_VOCAB.get(cfg.model.name, DEFAULT_VOCAB))
+    model = replace(cfg.model, vocab_size=vocab)
+    shard = f"parallel.dp_shard={p.dp_shard}" + (f" ({layout.dp_shard} ranks)" if p.dp_shard == -1 else "")
+    too_large = oversized(model, layout, shard, world)
+    if too_large is not None:
+        raise ConfigError(too_large)
+    device = torch.device("cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu")
+    planned_cfg = replace(cfg, trainer=replace(t, precision=resolve_precision(t.precision, device).precision))
+    planned = planned_memory_of(planned_cfg, model, Mesh(p.simulate_rank, p.simulate_world, layout))["total"]
+    have, what = host_memory(device)
+    if planned > have:
+        raise ConfigError(f"{world}: the memory plan puts rank {p.simulate_rank} of this layout at "
+                          f"{planned / GIB:.1f} GiB, more than this machine's {have / GIB:.1f} GiB ({what}), so it "
+                          "would swap or be killed after minutes of building; shrink the model, the batch or the "
+                          "layout's share per rank, or set parallel.simulate_force=true to run it anyway")
+
+
 def summary_line(mesh: Mesh, step_s: float, peak: MemoryPeak) -> str:
     """The simulation's result in one line, at the end of the run."""
     return (f"SIMULATION of rank {mesh.rank} of {mesh.world_size}: {step_s:.4f} s of compute per step "

@@ -136,9 +136,10 @@ def _row_step(line: bytes) -> Optional[int]:
     return step if isinstance(step, int) else None
 
 
-def set_aside_rows_after(run_dir: Path, step: int) -> list[int]:
+def set_aside_rows_after(run_dir: Path, step: int, starts_fresh: Optional[str] = None) -> list[int]:
     """Move the rows of metrics.jsonl past `step` (the resumed checkpoint's), and any torn line,
-    to the end of metrics.set_aside.jsonl; return the steps moved.
+    to the end of metrics.set_aside.jsonl; return the steps moved. `starts_fresh`: why this run
+    starts from the seed instead (`step` is then 0 and every row goes), for the line that says so.
 
     The set-aside file is written first and each file replaced whole (temp file + rename):
     a crash in between leaves a row in both files, never in neither.
@@ -171,10 +172,17 @@ def set_aside_rows_after(run_dir: Path, step: int) -> list[int]:
     with atomic_output(path) as f:
         f.write(b"".join(line.rstrip(b"\n") + b"\n" for line in keep))
     torn = len(aside) - len(moved)
-    what = f"{len(moved)} rows (steps {min(moved)}-{max(moved)})" if moved else "no whole row"
-    log.info("%s: set aside %s%s that the stopped run logged after the checkpoint of step %d, in %s; "
-             "this run logs those steps again", METRICS_FILE, what,
-             f" and {torn} torn line{'s' if torn > 1 else ''}" if torn else "", step, SET_ASIDE_FILE)
+    if len(moved) == 1:
+        what = f"1 row (step {moved[0]})"
+    else:
+        what = f"{len(moved)} rows (steps {min(moved)}-{max(moved)})" if moved else "no whole row"
+    what += f" and {torn} torn line{'s' if torn > 1 else ''}" if torn else ""
+    if starts_fresh is not None:
+        log.info("%s: set aside %s that an earlier start of this run logged, in %s: this run starts from step 0 "
+                 "(%s)", METRICS_FILE, what, SET_ASIDE_FILE, starts_fresh)
+    else:
+        log.info("%s: set aside %s that the stopped run logged after the checkpoint of step %d, in %s; "
+                 "this run logs those steps again", METRICS_FILE, what, step, SET_ASIDE_FILE)
     return moved
 
 
