@@ -74,7 +74,8 @@ def simulate_argv(py: str, row: Row, run_dir: Path, batch: int, seq_len: int, st
             # A fixed MFU denominator: the start-up matmul measurement is not what this run is for.
             "trainer.peak_tflops=989", "logger.interval=1", "logger.progress=lines", "logger.tensorboard=false",
             "logger.wandb.mode=disabled", "eval.interval=0", "eval.batches=1", f"eval.batch_size={batch}",
-            f"data.vocab_size={vocab}", f"hydra.run.dir={run_dir}"]
+            # Run even where the plan says the rank does not fit the card: measuring the plan is the point.
+            "parallel.simulate_force=true", f"data.vocab_size={vocab}", f"hydra.run.dir={run_dir}"]
 
 
 def estimate_argv(py: str, row: Row, batch: int, seq_len: int, vocab: int) -> list[str]:

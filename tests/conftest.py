@@ -82,6 +82,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # what the tests make: a full collection of torch's and the project's objects takes a tenth
     # of a second, and runs often in a process that trains.
     gc.freeze()
+    if "tests.distributed" in sys.modules:  # the gloo ranks' fork server imports as the first tests run
+        sys.modules["tests.distributed"].start_fork_server()
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: its tests are not known yet
         return
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}

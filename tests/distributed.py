@@ -1,8 +1,10 @@
-"""Run a function in N spawned processes on gloo, the way torchrun would lay them out.
+"""Run a function in N processes on gloo, the way torchrun would lay them out.
 
 The processes are kept between calls, one set per world size, for the whole pytest run:
 starting a process and importing torch and the project costs seconds per rank, several times
-the work of most distributed tests, and the suite makes hundreds of such calls. What a call
+the work of most distributed tests, and the suite makes hundreds of such calls. A set's
+processes fork from a server that has imported both once (multiprocessing's fork server;
+spawned where there is none). What a call
 sees is still what a fresh launch would give it: a new default process group over a new file
 store, the environment, thread count and default seed of a fresh rank, and no process group,
 compiled graph or DTensor cache left by the call before. A call that leaks a process group, or
@@ -110,8 +112,12 @@ def _run_call(rank: int, world_size: int, rendezvous: str, fn: Callable, args: t
     return payload
 
 
-def _serve(rank: int, world_size: int, conn: Connection) -> None:
-    """A rank's loop: (rendezvous, fn, args) in, ("ok", result) or ("error", traceback) out."""
+def _serve(rank: int, world_size: int, conn: Connection, env: dict[str, str]) -> None:
+    """A rank's loop: (rendezvous, fn, args) in, ("ok", result) or ("error", traceback) out.
+    `env`: the test process's environment as the ranks start, which a spawned process would
+    have inherited."""
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     fresh_env = dict(os.environ)
     fresh_seed = torch.initial_seed()  # a fresh process's default generator seed
@@ -141,6 +147,40 @@ def _serve(rank: int, world_size: int, conn: Connection) -> None:
             os._exit(0)
 
 
+# What a rank imports before its first call, once, in the server its processes fork from: a
+# spawned rank spent seconds importing torch and the trainer, each time a set of ranks started.
+RANK_PRELOAD = ["tests.distributed", "trainer.loop"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_fork_server() -> None:
+    """Start the fork server the ranks come from (its imports run beside whatever runs next)."""
+    _rank_context()
+
+
+def _rank_context():
+    """Processes forked from multiprocessing's fork server, which has imported RANK_PRELOAD (and
+    run no OpenMP thread, so forking it is safe), where the platform has one; spawned elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    # The fork server imports its preload with the environment's path: the repository's
+    # packages must be on it. Set for its start alone; it is started once.
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), path) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
+    return context
+
+
 @dataclass
 class _Ranks:
     """One set of serving processes for one world size."""
@@ -153,10 +193,10 @@ class _Ranks:
     @classmethod
     def start(cls, world_size: int) -> "_Ranks":
         ranks = cls(world_size)
-        context = mp.get_context("spawn")
+        context = _rank_context()
         for rank in range(world_size):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_serve, args=(rank, world_size, child_end), daemon=True)
+            process = context.Process(target=_serve, args=(rank, world_size, child_end, dict(os.environ)), daemon=True)
             process.start()
             child_end.close()
             ranks.processes.append(process)

@@ -77,6 +77,13 @@ def _serve(conn: Connection) -> None:
             __import__(name)
         except Exception:  # noqa: BLE001 - a command that needs it fails in its own fork, as it would
             pass
+    try:  # what scripts/compare_runs.py plots with, a second's import in every fork that compares
+        import matplotlib
+
+        matplotlib.use("Agg")  # as the script itself chooses: files, no screen
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - a command that needs it fails in its own fork, as it would
+        pass
     try:  # the default corpus cut once (data/manifest.py keeps cuts per text): a forked run reads
         # its files as ever and finds the cut of unchanged text made
         from data.sources import PydocTopicsSource, StdlibSource
