@@ -33,8 +33,7 @@ PRESET_VOCAB = {"gpt_1b": 128256, "gpt_8b": 128256, "moe_16b": 163840}
 DEFAULT_VOCAB = 50304
 
 
-def preset_names() -> list[str]:
-    """The model presets there are: conf/model/*.yaml."""
+def preset_names() -> list[str]:  # the model presets there are: conf/model/*.yaml
     return sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 
 
@@ -43,9 +42,8 @@ def preset_config(name: str, vocab_size: int = 0) -> ModelConfig:
     DEFAULT_VOCAB); FileNotFoundError naming the known presets for an unknown name (a path too)."""
     if name not in preset_names():
         raise FileNotFoundError(f"model={name}: no such preset (known: {', '.join(preset_names())})")
-    path = REPO / "conf" / "model" / f"{name}.yaml"
-    return replace(ModelConfig(**yaml.safe_load(path.read_text())),
-                   vocab_size=vocab_size or PRESET_VOCAB.get(name, DEFAULT_VOCAB))
+    text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
+    return replace(ModelConfig(**yaml.safe_load(text)), vocab_size=vocab_size or PRESET_VOCAB.get(name, DEFAULT_VOCAB))
 
 
 @dataclass
