@@ -205,6 +205,24 @@ def test_torchrun_restarts_the_group_after_a_killed_rank_and_finishes_identicall
     assert final_losses(run_dir) == final_losses(tmp_path / "straight")
 
 
+def test_a_rank_lost_after_its_checkpoint_is_in_place_leaves_that_steps_row(tmp_path, monkeypatch):
+    """The torchrun restart above once lost step 9's row: rank 1 died after checkpoint 9 was
+    renamed into place and `latest` pointed at it, so rank 0 failed at the closing barrier
+    before it logged the step, and the restart resumed past it. The row goes out first now."""
+    trainer = make_trainer(tmp_path, ["trainer.batch_size=2", "checkpoint.interval=2", "trainer.max_steps=4"])
+
+    def peer_gone(group, what):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(checkpoint, "barrier", peer_gone)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        trainer.train()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000002"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert math.isfinite(rows[-1]["train/loss"])
+
+
 # ---- divergence: a bound on skipped steps, no checkpoint of NaN weights, the good one kept ----
 
 

@@ -42,7 +42,7 @@ from model.fp8 import refresh_weight_scales
 from trainer.build import build_pipeline_model, measured_peak_flops, model_line, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
 from trainer.pipeline import PipelineRun, merged_over, pipeline_record
-from trainer.checkpoint_keeper import CheckpointKeeper, DiskFull
+from trainer.checkpoint_keeper import CheckpointKeeper
 from trainer.skips import SkipCounter, flag_step
 
 log = logging.getLogger("trainer")
@@ -412,7 +412,6 @@ class Trainer:
         progress = Progress(t.max_steps, self.step, cfg.logger.progress if self.speaks else "none",
                             cfg.logger.progress_prefix)
         last: dict[str, float] = {}
-        done, metrics = self.step, {}  # the step's row is owed to the log until it is written
         window_start, window_steps = time.perf_counter(), 0
         COMM.reset()
         preemption = PreemptionFlag(self.device)
@@ -420,7 +419,7 @@ class Trainer:
         self.dry_run.start()
         try:
             while self.step < t.max_steps:
-                done, metrics = self.step + 1, {}
+                done, metrics = self.step + 1, {}  # metrics: the step's row, if it logs one
                 profiler.begin(done)
                 stop_code = preemption.raised(mesh)
                 if stop_code:
@@ -456,15 +455,21 @@ class Trainer:
                         f"{k} {v:.4f}" for k, v in eval_metrics.items() if k.endswith("/loss")
                     ))
                     metrics.update(eval_metrics)
-                interval = cfg.checkpoint.interval
-                if is_last or (interval > 0 and done % interval == 0):
-                    self.save_checkpoint(evaluated=eval_due, final=is_last)
+                # The step's row goes out before its checkpoint: a rank that dies once the
+                # checkpoint is in place (at the closing barrier, say) must not leave a step to
+                # resume from without its row. A row past the checkpoint a restart resumes from
+                # is set aside and logged again, so this order loses nothing either way.
                 if metrics:
                     metrics.update(self.dry_run.metrics(metrics))
                     if sinks is not None:
                         sinks.log(done, self.tokens, metrics)
                     last = metrics
-                    # Eval and logging are not training: restart the throughput and comm window.
+                interval = cfg.checkpoint.interval
+                saves = is_last or (interval > 0 and done % interval == 0)
+                if saves:
+                    self.save_checkpoint(evaluated=eval_due, final=is_last)
+                if metrics or saves:
+                    # Eval, logging and saving are not training: restart the throughput and comm window.
                     window_start, window_steps = time.perf_counter(), 0
                     COMM.reset()
                 if profiler.end(done):
@@ -476,10 +481,6 @@ class Trainer:
             # still being written predates the divergence, so it is finished, not dropped.
             self.checkpoints.commit()
             self.checkpoints.diverged(self.step + 1)
-            raise
-        except DiskFull:
-            if metrics and sinks is not None:  # the step's row, which follows its checkpoint
-                sinks.log(done, self.tokens, metrics)
             raise
         finally:
             self.checkpoints.close()
