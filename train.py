@@ -42,7 +42,7 @@ from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
 from trainer.preflight import check_config, config_warnings, preflight
 from trainer.preemption import Preempted
-from trainer.run_kind import Finished, check_run_dir
+from trainer.run_kind import Finished, check_run_dir, objective_value
 from trainer.simulate import simulating
 
 register_configs()
@@ -157,7 +157,7 @@ def main(cfg: DictConfig) -> float:
             if job_lock is not None:
                 job_lock.release()
             # What the job returned when it ended, for a sweeper that reads it again.
-            return finished.recorded_val_loss()
+            return finished.recorded_objective(typed.eval.objective)
     tf32_before = start_job(typed, hydra_cfg)
     log.info("run dir: %s (%d intra-op CPU threads)", run_dir, torch.get_num_threads())
     if launch_rank() == 0:  # every rank has the same config: the others would only repeat it
@@ -203,8 +203,9 @@ def main(cfg: DictConfig) -> float:
         end_job(trainer.mesh if trainer is not None else None, multirun, tf32_before)
         if job_lock is not None:
             job_lock.release()
-    # The return value is what Hydra sweepers optimise: the final in-domain val loss.
-    return final.get("val/val/loss", float("nan"))
+    # The return value is what Hydra sweepers optimise: eval.objective at the last step (by
+    # default the in-domain val loss; a tuning study's val/tune/loss).
+    return objective_value(final, typed.eval.objective)
 
 
 # The command line as the user typed it, before __main__ adds overrides of its own: what the

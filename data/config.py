@@ -32,6 +32,10 @@ class DataConfig:
     vocab_size: int = 8192
     # Fraction of documents (stdlib: modules) held out as the in-domain "val" set.
     val_fraction: float = 0.05
+    # Fraction of documents held out as the tuning split "tune" (logged as val/tune/loss), for
+    # picking hyperparameters without touching val: the hash band just above val's, so val keeps
+    # its documents. 0 carves no tune split and leaves the corpus id as it was.
+    tune_fraction: float = 0.0
     # Where tokenizers and token caches live; relative paths are taken from the
     # directory train.py is launched in, so every run and every rank shares them.
     cache_dir: str = ".cache/data"

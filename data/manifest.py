@@ -115,23 +115,34 @@ def select(doc_id: str, text: Optional[str], keys: list[str], split: Splitter) -
     return _select(doc_id, text, tuple(keys), split)
 
 
-# Keyed by the text itself, so a document read again is cut again only if its text changed:
-# every Trainer reads the corpus files (a fresh read is what keeps the corpus honest), but
-# cutting and hashing them is most of a start-up's half second, and a process builds its
-# Trainer more than once (every job of a sweep, every rank-call of the test suite).
-@functools.lru_cache(maxsize=4096)
-def _select(doc_id: str, text: Optional[str], keys: tuple[str, ...], split: Splitter) -> Selection:
+def pinned_chunks(text: Optional[str], keys: Iterable[str], split: Splitter) -> list[Optional[str]]:
+    """The chunks of `text` the manifest's `keys` name, in their order, as select takes
+    them (a repeated chunk as often as the keys repeat it); None for a key `text`
+    lacks, or for every key when `text` is None (a missing file)."""
     by_key: dict[str, str] = {}
     left: Counter[str] = Counter()
     for chunk in split(text) if text is not None else []:
         key = chunk_key(chunk)
         by_key[key] = chunk
         left[key] += 1
-    parts: list[str] = []
+    chunks: list[Optional[str]] = []
     for key in keys:
         if left[key] > 0:
             left[key] -= 1
-            parts.append(by_key[key])
+            chunks.append(by_key[key])
+        else:
+            chunks.append(None)
+    return chunks
+
+
+# Keyed by the text itself, so a document read again is cut again only if its text changed:
+# every Trainer reads the corpus files (a fresh read is what keeps the corpus honest), but
+# cutting and hashing them is most of a start-up's half second, and a process builds its
+# Trainer more than once (every job of a sweep, every rank-call of the test suite).
+@functools.lru_cache(maxsize=4096)
+def _select(doc_id: str, text: Optional[str], keys: tuple[str, ...], split: Splitter) -> Selection:
+    chunks = pinned_chunks(text, keys, split)
+    parts = [chunk for chunk in chunks if chunk is not None]
     return Selection(doc_id, "".join(parts), len(keys) - len(parts))
 
 

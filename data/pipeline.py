@@ -15,6 +15,7 @@ from data.config import DataConfig
 from data.hashing import digest
 from data.source_checks import check_data_config
 from data.sources import CorpusReport, DataConfigError, PinnedSource, Source, eval_source, train_val_sources
+from data.tune_split import tune_source
 from data.tokenizer import (
     build_trained,
     load_pretrained,
@@ -43,10 +44,11 @@ class PreparedData:
     vocab_size: int  # len(tokenizer)
     eos_id: int
     train: np.ndarray  # 1-D token memmap
-    eval_sets: dict[str, np.ndarray]  # "val" first, then each cfg.eval_sets name in order
+    # "val" first, then "tune" (with data.tune_fraction > 0), then each cfg.eval_sets name in order
+    eval_sets: dict[str, np.ndarray]
     tokenizer_id: str  # tokenizer_hash: keys the token caches
     vocabulary_id: str  # vocabulary_hash: part of the corpus id
-    split_sha256: dict[str, str]  # "train", "val", each eval set -> sha256 of its tokens
+    split_sha256: dict[str, str]  # "train", "val", "tune" if any, each eval set -> sha256 of its tokens
     # Manifest-pinned sources (the embedded corpus): how this interpreter's build compares.
     reports: list[CorpusReport]
 
@@ -123,7 +125,8 @@ def check_against_manifest(sources: list[Source]) -> list[CorpusReport]:
     return reports
 
 
-def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: int, val_fraction: float) -> None:
+def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: int, val_fraction: float,
+                  tune_fraction: float = 0.0) -> None:
     """Fail now, naming the split, rather than at the first batch.
 
     Training needs two window offsets at least (see TrainBatches), evaluation one window.
@@ -135,6 +138,8 @@ def check_lengths(train: np.ndarray, eval_sets: dict[str, np.ndarray], seq_len: 
             fix = "a shorter trainer.seq_len or more text"
             if name in ("train", "val"):
                 fix += f", or another data.val_fraction (now {val_fraction}; train has {len(train)} tokens)"
+            elif name == "tune":
+                fix += f", or a larger data.tune_fraction (now {tune_fraction})"
             raise DataConfigError(
                 f"data split {name!r} has {len(tokens)} tokens; trainer.seq_len={seq_len} needs {needed}: use {fix}"
             )
@@ -148,8 +153,11 @@ def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData
     tokenizer = get_tokenizer(cfg, train_source, cache_dir)
     tokenizer_id = tokenizer_hash(tokenizer)
     sources: dict[str, Source] = {"val": val_source}
+    tune = tune_source(cfg, train_source)
+    if tune is not None:
+        sources["tune"] = tune
     sources.update((name, eval_source(name, ecfg, cfg.stdlib_root)) for name, ecfg in cfg.eval_sets.items())
-    # The val split shares the train split's base source: one report covers both.
+    # The val and tune splits share the train split's base source: one report covers them.
     reports = check_against_manifest([train_source.base, *sources.values()])
     splits = {"train": get_tokens(cache_dir, "train", train_source, tokenizer, tokenizer_id)}
     splits.update(
@@ -158,7 +166,7 @@ def prepare_data(cfg: DataConfig, seq_len: Optional[int] = None) -> PreparedData
     train = splits["train"].tokens
     eval_sets = {name: split.tokens for name, split in splits.items() if name != "train"}
     if seq_len is not None:
-        check_lengths(train, eval_sets, seq_len, cfg.val_fraction)
+        check_lengths(train, eval_sets, seq_len, cfg.val_fraction, cfg.tune_fraction)
     return PreparedData(
         tokenizer, len(tokenizer), tokenizer.eos_token_id, train, eval_sets, tokenizer_id,
         vocabulary_hash(tokenizer), {name: split.sha256 for name, split in splits.items()}, reports,

@@ -55,6 +55,11 @@ def check_data_config(cfg: DataConfig) -> None:
         raise DataConfigError(f"data.vocab_size must be >= {MIN_VOCAB_SIZE} (got {cfg.vocab_size})")
     if not 0 < cfg.val_fraction < 1:
         raise DataConfigError(f"data.val_fraction must be in (0, 1) (got {cfg.val_fraction})")
+    if not 0 <= cfg.tune_fraction < 1:
+        raise DataConfigError(f"data.tune_fraction must be in [0, 1) (got {cfg.tune_fraction})")
+    if not cfg.val_fraction + cfg.tune_fraction < 1:
+        raise DataConfigError(f"data.tune_fraction: data.val_fraction + data.tune_fraction must be < 1, to leave "
+                              f"documents for training (got {cfg.val_fraction} + {cfg.tune_fraction})")
     if cfg.tokenizer_train_bytes < 1:
         raise DataConfigError(f"data.tokenizer_train_bytes must be >= 1 (got {cfg.tokenizer_train_bytes})")
     if not cfg.cache_dir:
@@ -67,13 +72,17 @@ def check_data_config(cfg: DataConfig) -> None:
     if cfg.name == "hf":
         _check_hf_source("data", cfg.path, cfg.data_files)
     for name, ecfg in cfg.eval_sets.items():
-        _check_eval_set(name, ecfg, cfg.stdlib_root)
+        _check_eval_set(name, ecfg, cfg.stdlib_root, cfg.tune_fraction)
 
 
-def _check_eval_set(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str]) -> None:
+def _check_eval_set(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str], tune_fraction: float) -> None:
     key = f"data.eval_sets.{name}"
     if name == "val":
         raise DataConfigError(f"{key}: the name 'val' is reserved for the in-domain split")
+    # Both would be logged as val/tune/loss; with no tune split the name is free, as it always was.
+    if name == "tune" and tune_fraction > 0:
+        raise DataConfigError(f"{key}: the name 'tune' is reserved for the tuning split "
+                              f"(data.tune_fraction={tune_fraction})")
     if not EVAL_NAME.fullmatch(name):
         raise DataConfigError(f"{key}: eval set names may only use letters, digits, '_' and '-'")
     if ecfg.kind not in EVAL_KINDS:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Optional, Protocol
 
 from data.config import DataConfig, EvalSourceConfig
 from data.file_checks import explain_load_failure
-from data.hashing import hash_fraction
+from data.hashing import hash_fraction, split_side
 from data.hub import offline_mode, offline_variable, probe_hub
 from data.manifest import SPLITTERS, TOPICS_FILE, CorpusPart, Manifest, Selection, read_topics, select, stream_digest
 
@@ -68,34 +68,40 @@ def is_held_out(split_key: str, val_fraction: float) -> bool:
 
 @dataclass
 class HashSplit:
-    """One side ("train" or "val") of a hash split of `base`."""
+    """One side ("train", "val" or "tune") of a hash split of `base` (see split_side)."""
 
     base: SplittableSource
     part: str
     val_fraction: float
+    tune_fraction: float = 0.0
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"split": self.part, "val_fraction": self.val_fraction, "source": self.base.fingerprint()}
+        fp = {"split": self.part, "val_fraction": self.val_fraction, "source": self.base.fingerprint()}
+        # Only where it changes the documents: with no tune split (or for val, whose band it
+        # leaves alone), fingerprints, and so cache keys and the corpus id, stay as before it existed.
+        if self.tune_fraction > 0 and self.part != "val":
+            fp["tune_fraction"] = self.tune_fraction
+        return fp
 
     @property
     def empty_hint(self) -> str:
         """Read only when this side came out empty: how the split fell, counted again."""
-        total = held_out = 0
-        for doc_id, text in self.base.documents():
-            total += 1
-            held_out += is_held_out(self.base.split_key(doc_id, text), self.val_fraction)
+        sides = [self.side(doc_id, text) for doc_id, text in self.base.documents()]
         base_hint = getattr(self.base, "empty_hint", "")
-        if total == 0:
+        if not sides:
             return base_hint  # nothing to split: the source itself is empty
-        mine = held_out if self.part == "val" else total - held_out
-        side = "holds out" if self.part == "val" else "leaves for training"
-        return (f"; data.val_fraction={self.val_fraction} {side} {mine} of the source's {total} documents: "
-                f"give it more text, or change data.val_fraction{base_hint}")
+        key = "data.tune_fraction" if self.part == "tune" else "data.val_fraction"
+        fraction = self.tune_fraction if self.part == "tune" else self.val_fraction
+        side = "leaves for training" if self.part == "train" else "holds out"
+        return (f"; {key}={fraction} {side} {sides.count(self.part)} of the source's {len(sides)} documents: "
+                f"give it more text, or change {key}{base_hint}")
+
+    def side(self, doc_id: str, text: str) -> str:
+        return split_side(self.base.split_key(doc_id, text), self.val_fraction, self.tune_fraction)
 
     def documents(self) -> Iterator[Document]:
-        want_val = self.part == "val"
         for doc_id, text in self.base.documents():
-            if is_held_out(self.base.split_key(doc_id, text), self.val_fraction) == want_val:
+            if self.side(doc_id, text) == self.part:
                 yield doc_id, text
 
 
@@ -444,7 +450,8 @@ def _file_stat(path: Path) -> list[Any]:
 
 
 def train_val_sources(cfg: DataConfig) -> tuple[HashSplit, HashSplit]:
-    """The train and in-domain val sides of the configured source."""
+    """The train and in-domain val sides of the configured source (the tune side, between
+    them, is data/tune_split.py's)."""
     base: SplittableSource
     if cfg.name == "stdlib":
         base = StdlibSource(limit=cfg.max_docs, root=stdlib_root(cfg.stdlib_root))
@@ -453,7 +460,8 @@ def train_val_sources(cfg: DataConfig) -> tuple[HashSplit, HashSplit]:
             "data", cfg.path, cfg.dataset_config, cfg.data_files, cfg.split, cfg.text_field, cfg.streaming,
             cfg.max_docs,
         )
-    return HashSplit(base, "train", cfg.val_fraction), HashSplit(base, "val", cfg.val_fraction)
+    return (HashSplit(base, "train", cfg.val_fraction, cfg.tune_fraction),
+            HashSplit(base, "val", cfg.val_fraction, cfg.tune_fraction))
 
 
 def eval_source(name: str, ecfg: EvalSourceConfig, stdlib_dir: Optional[str] = None) -> Source:

@@ -6,7 +6,7 @@ comparison between them changes exactly one thing: which optimizer steps the hid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -71,10 +71,16 @@ class OptimConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup_steps: int = 20
+    # Warmup as a fraction of trainer.max_steps: floor(fraction * max_steps + 0.5) steps, so a
+    # longer run warms up for as many more steps. Set, it wins over warmup_steps; null: warmup_steps.
+    warmup_fraction: Optional[float] = None
     # Floor of the decay phase (absolute learning rate).
     min_lr: float = 3e-4
-    # "cosine": linear warmup then cosine to min_lr; "wsd": warmup, constant, then a linear
-    # decay to min_lr over the last `wsd_decay_fraction` of the run; "constant".
+    # The decay floor as a fraction of the peak lr: min_lr_ratio * lr, so it follows an lr sweep.
+    # Set, it wins over min_lr; null: min_lr. optim/schedule.py resolves both keys.
+    min_lr_ratio: Optional[float] = None
+    # "cosine": linear warmup then cosine to the floor; "wsd": warmup, constant, then a linear
+    # decay to the floor over the last `wsd_decay_fraction` of the run; "constant".
     schedule: str = "cosine"
     wsd_decay_fraction: float = 0.2
     beta1: float = 0.9

@@ -71,8 +71,9 @@ def loss_keys(runs: list[Run]) -> list[str]:
 
 
 def eval_keys(runs: list[Run]) -> list[str]:
-    """Held-out losses: val first, then each OOD set."""
-    return [k for k in loss_keys(runs) if k != "train/loss"]
+    """Held-out losses: val first, then each OOD set; not the tuning split (val/tune/loss, of
+    runs with data.tune_fraction), which is for choosing settings, never a reported figure."""
+    return [k for k in loss_keys(runs) if k not in ("train/loss", "val/tune/loss")]
 
 
 def smoothed(run: Run, key: str, alpha: float):

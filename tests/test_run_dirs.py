@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import job_return
 from tests.conftest import REPO
 from tests.prestarted import run_python
 from trainer.sinks import METRICS_FILE, SET_ASIDE_FILE
@@ -48,12 +49,14 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A 2-step run, finished, in the dir of a sweep's job (<sweep>/job), whose dir an earlier
-    start killed before its first checkpoint had left rows 1-3 and a torn line in."""
+    start killed before its first checkpoint had left rows 1-3 and a torn line in. It scores
+    eval.objective=val/ood_prose/loss, and what main() returned is in <sweep>/returned.json."""
     run_dir = tmp_path_factory.mktemp("sweep") / "job"
     run_dir.mkdir()
     killed = "".join(json.dumps({"step": s, "tokens": 64 * s, "train/loss": 9.0}) + "\n" for s in (1, 2, 3))
     (run_dir / METRICS_FILE).write_text(killed + '{"step": 4, "tok')
-    proc = train(f"hydra.run.dir={run_dir}")
+    proc = train(f"hydra.run.dir={run_dir}", "eval.objective=val/ood_prose/loss",
+                 *job_return.overrides(run_dir.parent / "returned.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -66,6 +69,15 @@ def test_a_fresh_start_sets_aside_the_rows_an_earlier_start_logged(finished):
     assert [json.loads(line)["step"] for line in aside[:3]] == [1, 2, 3] and aside[3] == '{"step": 4, "tok'
     assert ("metrics.jsonl: set aside 3 rows (steps 1-3) and 1 torn line that an earlier start of this run logged, "
             "in metrics.set_aside.jsonl: this run starts from step 0 (no checkpoint to resume from)") in proc.stdout
+
+
+def test_main_returns_the_metric_eval_objective_names(finished):
+    """Before: the final val/val/loss whatever eval.objective said, so a tuning study would
+    have been scored on the split it reports."""
+    run_dir, _ = finished
+    final = rows(run_dir / METRICS_FILE)[-1]
+    assert final["val/ood_prose/loss"] != final["val/val/loss"]
+    assert job_return.read(run_dir.parent / "returned.json") == final["val/ood_prose/loss"]
 
 
 def test_relaunching_a_finished_run_says_so_and_writes_nothing(finished, tmp_path):
@@ -86,8 +98,11 @@ def test_relaunching_a_finished_run_says_so_and_writes_nothing(finished, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"checkpoint.resume={run_dir}: the run reached its trainer.max_steps=2 at step 2")
     assert not (tmp_path / "next").exists() and snapshot(run_dir) == before
-    # A sweep's finished job says so too, and scores what the run logged at its end.
-    proc = train("-m", f"hydra.sweep.dir={run_dir.parent}", "hydra.sweep.subdir=job")
+    # A sweep's finished job says so too, and scores what the run logged at its end of the
+    # metric its eval.objective names.
+    returned = tmp_path / "returned.json"
+    proc = train("-m", f"hydra.sweep.dir={run_dir.parent}", "hydra.sweep.subdir=job", "eval.objective=train/loss",
+                 *job_return.overrides(returned))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run dir {run_dir} (a job of hydra.sweep.dir): the run reached its trainer.max_steps=2" in proc.stdout
     assert "resumed from" not in proc.stdout
@@ -98,8 +113,12 @@ def test_relaunching_a_finished_run_says_so_and_writes_nothing(finished, tmp_pat
     from trainer.run_kind import Finished
 
     final = rows(run_dir / METRICS_FILE)[-1]
-    assert Finished(checkpoint, 2, 2, "").recorded_val_loss() == final["val/val/loss"]
-    assert math.isnan(Finished(checkpoint, 1, 1, "").recorded_val_loss())  # step 1 ran no eval
+    assert job_return.read(returned) == final["train/loss"] != final["val/val/loss"]
+    assert Finished(checkpoint, 2, 2, "").recorded_objective() == final["val/val/loss"]
+    assert Finished(checkpoint, 2, 2, "").recorded_objective("val/ood_prose/loss") == final["val/ood_prose/loss"]
+    assert math.isnan(Finished(checkpoint, 1, 1, "").recorded_objective())  # step 1 ran no eval
+    assert Finished(checkpoint, 1, 1, "").recorded_objective("train/loss") == rows(run_dir / METRICS_FILE)[0][
+        "train/loss"]
 
 
 def test_a_finished_run_whose_checkpoint_fails_its_digests_is_left_to_the_start_up(finished, tmp_path):

@@ -83,6 +83,9 @@ BAD_INPUTS = [
     (["trainer.activation_checkpointing=bogus"], "error: trainer.activation_checkpointing: unknown value 'bogus' "
                                                  "(expected one of none, full, selective)"),
     (["model.loss_chunks=0"], "error: model.loss_chunks must be >= 1, got 0"),
+    (["data.tune_fraction=1.5"], "error: data.tune_fraction must be in [0, 1) (got 1.5)"),
+    (["data.tune_fraction=0.95"], "error: data.tune_fraction: data.val_fraction + data.tune_fraction must be < 1, to "
+                                  "leave documents for training (got 0.05 + 0.95)"),
     (["parallel.simulate_world=8", "parallel.tp=3"], "error: parallel.dp_replicate=-1 x parallel.dp_shard=1 x "
                                                      "parallel.tp=3 does not multiply out to the 8 ranks of "
                                                      "parallel.simulate_world=8"),
@@ -98,6 +101,13 @@ BAD_INPUTS = [
     (["experiment=reference_cpu"], "error: " + EXPERIMENT_WITHOUT_PLUS),
     (["optim.lr=3e-3,1e-3"], "error: " + SWEEP_WITHOUT_MULTIRUN),
     (["optim.lr_overrides.embed=0.5"], "error: " + FAMILY_WITHOUT_PLUS),
+    # The relative schedule keys: a warmup as long as the run, a floor above the peak.
+    (["optim.warmup_fraction=1.0"], "error: optim.warmup_fraction must lie in [0, 1), got 1.0"),
+    (["optim.min_lr_ratio=1.5"], "error: optim.min_lr_ratio must lie in [0, 1], got 1.5"),
+    # A sweeper scoring a metric the run never logs would get NaN from every trial.
+    (["eval.objective=val/tune/loss"], 'error: eval.objective=val/tune/loss: no eval set "tune" '
+                                       "(data.tune_fraction is 0); known: val/val/loss, val/ood_prose/loss, "
+                                       "train/loss"),
 ]
 
 
@@ -143,6 +153,9 @@ def test_a_run_that_ends_inside_its_warmup_says_how_high_its_lr_gets():
         "trainer.max_steps=10 < optim.warmup_steps=20: the run ends inside its warmup, so its lr peaks at 0.01, "
         "not optim.lr=0.02"]
     assert config_warnings(to_dataclass(compose(["trainer.max_steps=20", "optim.warmup_steps=20"]))) == []
+    # A warmup_fraction overrides warmup_steps: the run warms up for 1 of its 10 steps.
+    assert config_warnings(to_dataclass(compose(["trainer.max_steps=10", "optim.warmup_steps=20",
+                                                 "optim.warmup_fraction=0.1"]))) == []
 
 
 def test_a_resume_that_changes_the_schedule_names_old_and_new():
@@ -155,6 +168,19 @@ def test_a_resume_that_changes_the_schedule_names_old_and_new():
     assert schedule_changes(saved, longer) == [
         "resumed with another learning-rate schedule than the checkpoint's (trainer.max_steps 100 -> 300, "
         "optim.schedule cosine -> wsd): every step from the resume on follows the new one"]
+    # A fraction set (or cleared) is a change too, null being a value; a checkpoint saved before
+    # the key existed trained as if it were null.
+    fractions = to_dataclass(compose(["trainer.max_steps=100", "optim.schedule=cosine", "optim.warmup_fraction=0.1",
+                                      "optim.min_lr_ratio=0.05"]))
+    said = ("resumed with another learning-rate schedule than the checkpoint's (optim.min_lr_ratio None -> 0.05, "
+            "optim.warmup_fraction None -> 0.1): every step from the resume on follows the new one")
+    assert schedule_changes(saved, fractions) == [said]
+    new_keys = ("warmup_fraction", "min_lr_ratio")
+    older = {**saved, "optim": {k: v for k, v in saved["optim"].items() if k not in new_keys}}
+    assert schedule_changes(older, fractions) == [said]
+    assert schedule_changes(older, same) == []
+    assert schedule_changes(asdict(fractions), same) == [said.replace("None -> 0.05", "0.05 -> None")
+                                                         .replace("None -> 0.1", "0.1 -> None")]
 
 
 def test_a_resume_that_switches_fp8_says_so():

@@ -92,6 +92,11 @@ class EvalConfig:
     # Sequences per eval batch. Independent of the training batch and the DP size, so the
     # eval windows (and the numbers) are the same whatever the parallel layout.
     batch_size: int = 16
+    # The metric train.py's main() returns, the score a Hydra sweeper optimises: its value at
+    # the run's last step. "train/loss" or "val/<set>/loss", <set> being val, a data.eval_sets
+    # name, or tune (with data.tune_fraction > 0): a tuning study scores val/tune/loss, so that
+    # the val and OOD numbers it reports were not what picked its settings.
+    objective: str = "val/val/loss"
 
 
 @dataclass
@@ -375,8 +380,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 turns clipping off)")
     _choice("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
     _finite("optim.lr", o.lr)
-    if not 0 <= o.min_lr <= o.lr:
+    # A fraction set wins over its absolute key (optim/schedule.py), so only the one in use is
+    # held to its range; both comparisons are false for NaN, which is refused too.
+    if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must lie in [0, 1], got {o.min_lr_ratio}")
+    if o.min_lr_ratio is None and not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
+    if o.warmup_fraction is not None and not 0 <= o.warmup_fraction < 1:
+        raise ConfigError(f"optim.warmup_fraction must lie in [0, 1), got {o.warmup_fraction}")
     _positive("optim.warmup_steps", o.warmup_steps, minimum=0)
     _positive("optim.gather_buckets", o.gather_buckets)
     if not 0 < o.wsd_decay_fraction <= 1:
@@ -405,6 +416,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("eval.batches", cfg.eval.batches)
     _positive("eval.interval", cfg.eval.interval, minimum=0)
     _positive("eval.batch_size", cfg.eval.batch_size)
+    _objective(cfg)
     _positive("logger.interval", cfg.logger.interval)
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
     _positive("logger.wandb.init_timeout_s", cfg.logger.wandb.init_timeout_s)
@@ -431,6 +443,25 @@ def validate(cfg: TrainConfig) -> None:
     _positive("checkpoint.interval", cfg.checkpoint.interval, minimum=0)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _profile_steps(cfg.profile, t.max_steps)
+
+
+def objective_choices(cfg: TrainConfig) -> list[str]:
+    """The metrics eval.objective may name: the losses every run logs at its last step."""
+    tune = ["tune"] if cfg.data.tune_fraction > 0 else []
+    return [f"val/{name}/loss" for name in ("val", *tune, *cfg.data.eval_sets)] + ["train/loss"]
+
+
+def _objective(cfg: TrainConfig) -> None:
+    """A sweeper handed the NaN of a metric the run never logs would rank every trial alike."""
+    key, known = cfg.eval.objective, objective_choices(cfg)
+    if key in known:
+        return
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "val" and parts[2] == "loss":
+        why = f'no eval set "{parts[1]}"' + (" (data.tune_fraction is 0)" if parts[1] == "tune" else "")
+    else:
+        why = "not a loss the run logs (train/loss or val/<set>/loss)"
+    raise ConfigError(f"eval.objective={key}: {why}; known: {', '.join(known)}")
 
 
 def _profile_steps(p: ProfileConfig, max_steps: int) -> None:

@@ -23,7 +23,7 @@ from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
-from optim.schedule import lr_at
+from optim.schedule import lr_at, warmup_steps, warmup_words
 from trainer import checkpoint, checkpoint_files, checkpoint_state
 from trainer import device as dev
 from trainer import run_env
@@ -375,14 +375,15 @@ class Trainer:
         a loss still at ln(vocab_size), what a uniform guess scores, means the model has learnt
         nothing (an lr of 0, a frozen model, labels unrelated to the inputs), and exit code 0
         would not say so."""
-        if self._learning_checked or step <= max(self.cfg.optim.warmup_steps, NOT_LEARNING_AFTER):
+        o, max_steps = self.cfg.optim, self.cfg.trainer.max_steps
+        if self._learning_checked or step <= max(warmup_steps(o, max_steps), NOT_LEARNING_AFTER):
             return
         self._learning_checked = True
         chance = math.log(self.data.vocab_size)
         if math.isfinite(loss) and loss > chance - NOT_LEARNING_MARGIN and self.speaks:
             log.warning("run %s is not learning: train/loss %.4f at step %d is still ln(vocab_size) = %.4f, "
-                        "a uniform guess, past optim.warmup_steps=%d (optim.lr=%g)", self.cfg.name, loss, step,
-                        chance, self.cfg.optim.warmup_steps, self.cfg.optim.lr)
+                        "a uniform guess, past %s (optim.lr=%g)", self.cfg.name, loss, step,
+                        chance, warmup_words(o, max_steps), o.lr)
 
     def _check_eval_finite(self, step: int, metrics: dict[str, float]) -> None:
         """Finite weights can still give a NaN/inf loss (weights grown past what the forward

@@ -209,13 +209,14 @@ def check_config(cfg: DictConfig, world_size: int, devices_here: bool = True) ->
 
 def config_warnings(cfg: TrainConfig) -> list[str]:
     """Values that are allowed but rarely meant: one line each, logged at the start of the job."""
-    from optim.schedule import lr_at
+    from optim.schedule import lr_at, warmup_steps, warmup_words
 
     t, o = cfg.trainer, cfg.optim
     lines = []
-    if t.max_steps < o.warmup_steps:
+    # A warmup_fraction (< 1, checked) never outlasts the run; a warmup_steps it overrides does not count.
+    if t.max_steps < warmup_steps(o, t.max_steps):
         peak = max(lr_at(step, o, t.max_steps) for step in range(t.max_steps))
-        lines.append(f"trainer.max_steps={t.max_steps} < optim.warmup_steps={o.warmup_steps}: the run ends inside "
+        lines.append(f"trainer.max_steps={t.max_steps} < {warmup_words(o, t.max_steps)}: the run ends inside "
                      f"its warmup, so its lr peaks at {peak:.3g}, not optim.lr={o.lr:g}")
     if t.fp8 != "none" and not t.compile:
         lines.append(f"trainer.fp8={t.fp8} without trainer.compile: each float8 cast is a kernel of its own, "

@@ -8,14 +8,18 @@ from trainer.config import TrainConfig
 
 # The keys that shape the learning-rate schedule from the step on: changing one on a resume
 # changes every later step's lr (a longer max_steps stretches the decay, for instance).
-SCHEDULE_KEYS = ("trainer.max_steps", "optim.schedule", "optim.lr", "optim.min_lr", "optim.warmup_steps",
-                 "optim.wsd_decay_fraction", "optim.lr_overrides")
+SCHEDULE_KEYS = ("trainer.max_steps", "optim.schedule", "optim.lr", "optim.min_lr", "optim.min_lr_ratio",
+                 "optim.warmup_steps", "optim.warmup_fraction", "optim.wsd_decay_fraction", "optim.lr_overrides")
+# Keys a checkpoint may predate, with the value such a run had: it trained as if they were null.
+ADDED_LATER = {"optim.min_lr_ratio": None, "optim.warmup_fraction": None}
+_MISSING = object()
 
 
 def _value(config: dict[str, Any], dotted: str) -> Any:
+    """The value at `dotted`; _MISSING where the config has no such key (an older checkpoint's)."""
     for part in dotted.split("."):
         if not isinstance(config, dict) or part not in config:
-            return None
+            return ADDED_LATER.get(dotted, _MISSING)
         config = config[part]
     return config
 
@@ -34,7 +38,8 @@ def schedule_changes(saved_config: dict[str, Any], cfg: TrainConfig) -> list[str
 
     now = asdict(cfg)
     changed = [(k, _value(saved_config, k), _value(now, k)) for k in SCHEDULE_KEYS]
-    changed = [(k, old, new) for k, old, new in changed if old is not None and old != new]
+    # A null is a value here (a fraction set or cleared): only a key the checkpoint lacks is skipped.
+    changed = [(k, old, new) for k, old, new in changed if old is not _MISSING and old != new]
     if not changed:
         return []
     named = ", ".join(f"{k} {old} -> {new}" for k, old, new in changed)

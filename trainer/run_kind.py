@@ -126,10 +126,10 @@ class Finished:
         return (f"{self.named}: the run {reached} (checkpoint {self.checkpoint}); nothing to train. "
                 f"To train on, raise trainer.max_steps, e.g. trainer.max_steps={max(2 * self.step, self.step + 1)}")
 
-    def recorded_val_loss(self) -> float:
-        """The final in-domain val loss the run logged at the checkpoint's step (what train.py's
-        main() returned when the run ended: a sweeper's score), from the metrics of the run
-        dir the checkpoint is in; NaN where it logged none."""
+    def recorded_objective(self, key: str = "val/val/loss") -> float:
+        """The metric `key` (eval.objective) the run logged at the checkpoint's step (what
+        train.py's main() returned when the run ended: a sweeper's score), from the metrics of
+        the run dir the checkpoint is in; NaN where it logged none."""
         loss = float("nan")
         try:
             lines = (self.checkpoint.parent.parent / METRICS_FILE).read_bytes().splitlines()
@@ -140,10 +140,17 @@ class Finished:
                 row = json.loads(line)
             except ValueError:
                 continue
-            value = row.get("val/val/loss") if isinstance(row, dict) and row.get("step") == self.step else None
-            if isinstance(value, (int, float)) and not math.isnan(value):
-                loss = float(value)
+            value = objective_value(row, key) if isinstance(row, dict) and row.get("step") == self.step else loss
+            if not math.isnan(value):
+                loss = value
         return loss
+
+
+def objective_value(metrics: dict, key: str) -> float:
+    """What train.py's main() returns to a sweeper: metrics[key] (key: eval.objective), or NaN
+    where the metrics lack it or hold no number there."""
+    value = metrics.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
 
 
 def resume_step(resume: str, run_dir: Path, allow_suspect: bool) -> Optional[tuple[Path, int]]:
