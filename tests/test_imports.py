@@ -105,3 +105,20 @@ def test_the_checks_see_an_arrow_and_a_cycle(tmp_path):
                        "def f():\n    from trainer.precision import resolve_run_precisions\n"
                        "from optim import muon\nimport torch\n")
     assert imported(planted, project_modules()) == {"trainer.config", "trainer.precision", "optim", "optim.muon"}
+
+
+def test_the_fair_studys_pieces_sit_where_the_package_order_puts_them():
+    """The statistics, the search spaces, the tuner and the records are eval/ (below trainer/);
+    the sweeper plugin is found by Hydra beside the installed launchers (hydra_plugins/ holds no
+    __init__.py of its own, which would hide theirs)."""
+    modules = project_modules()
+    for name in ("eval.speedup", "eval.search_space", "eval.coordinate_descent", "eval.fair_records"):
+        climbing = sorted(m for m in imported(modules[name], modules) if m.split(".")[0] == "trainer")
+        assert not climbing, (name, climbing)
+    assert not (REPO / "hydra_plugins" / "__init__.py").exists()
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.launcher import Launcher
+    from hydra.plugins.sweeper import Sweeper
+
+    assert "FairSweeper" in {p.__name__ for p in Plugins.instance().discover(Sweeper)}
+    assert {"BasicLauncher", "JoblibLauncher", "SlurmLauncher"} <= {p.__name__ for p in Plugins.instance().discover(Launcher)}

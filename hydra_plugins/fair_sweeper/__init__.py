@@ -1,0 +1,1 @@
+"""The fair study's Hydra sweeper (hydra/sweeper=fair), run by scripts/fair_compare.py."""

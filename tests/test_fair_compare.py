@@ -1,0 +1,258 @@
+"""scripts/fair_compare.py end to end: one real smoke study (gpt_tiny, a few steps a run), shared
+by the tests below. Both sides spend equal runs and tokens, every run is recorded, a study run
+again trains nothing and an interrupted one only what is missing, the report is made again from
+the records alone byte for byte, and every bad input is one line and exit 2 before anything
+trains. The statistics, the search spaces and the coordinate descent have their own tests
+(test_speedup.py, test_search_space.py, test_coordinate_descent.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.fair_records import INDEX_FILE, PLAN_FILE, load_study, read_index, run_id, write_index
+from tests.conftest import REPO
+from tests.prestarted import run_python
+
+SCRIPT = "scripts/fair_compare.py"
+# The smallest study that still has every stage: 2 tuning trials a side, 1 lr retuning trial a
+# side at each longer budget, 3 budgets, 2 fresh seeds: 20 runs of 4 to 8 steps.
+SMALL = ["--smoke", "tuning.trials=2", "compare.retune.trials=1", "compare.steps=4"]
+REPORTS = ("comparison.md", "comparison.json", "trials.md", "chosen.md")
+
+
+def fair(*args: str):
+    return run_python([SCRIPT, *args], timeout=900)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("fair") / "study"
+    proc = fair(*SMALL, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_both_sides_spend_equal_runs_and_tokens(study):
+    out, stdout = study
+    data = load_study(out)
+    for stage, runs in (("tune", 2), ("retune", 2), ("final", 6)):
+        a, b = data.of(stage, "muon"), data.of(stage, "adamw")
+        assert len(a) == len(b) == runs, stage
+        assert sum(e.tokens_planned for e in a) == sum(e.tokens_planned for e in b) > 0, stage
+        if all(e.status == "ok" for e in a + b):
+            assert sum(e.tokens_seen for e in a) == sum(e.tokens_seen for e in b), stage
+    assert "tune done: 2 runs and 512 tokens per side (equal)" in stdout
+    budget = json.loads((out / "report" / "comparison.json").read_text())["budget"]
+    assert budget["muon"] == budget["adamw"]
+
+
+def test_the_study_dir_holds_every_record_the_choice_the_table_and_the_plot(study):
+    out, stdout = study
+    records = out / "records"
+    entries = read_index(records)
+    assert len(entries) == 20 and len({e.name for e in entries}) == 20
+    for e in entries:
+        record = records / e.name
+        assert (record / "metrics.jsonl.gz").is_file() and (record / ".hydra" / "config.yaml").is_file(), e.name
+        assert sum(f.stat().st_size for f in record.rglob("*") if f.is_file()) < 64 * 1024, e.name
+        assert e.status == "ok" and e.objective is not None, e
+    # the tuning runs are scored on the tuning split and seeds, the final ones report val on fresh seeds
+    import yaml
+
+    for e in entries:
+        config = yaml.safe_load((records / e.name / ".hydra" / "config.yaml").read_text())
+        assert config["data"]["tune_fraction"] == 0.05 and config["seed"] == e.seed, e.name
+        assert config["eval"]["objective"] == ("val/val/loss" if e.stage == "final" else "val/tune/loss"), e.name
+        assert (e.seed in (0, 1)) == (e.stage == "final"), e.name
+    report = (out / "report" / "comparison.md").read_text()
+    for split in ("val/val/loss", "val/ood_prose/loss"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {split} |"))
+        assert "x" in row.split("|")[2] and "p(> 1x) = " in row and "p(> 1.1x) = " in row
+    assert "val/tune/loss |" not in report  # never a reported figure
+    chosen = (out / "report" / "chosen.md").read_text()
+    assert "- muon at 1x: " in chosen and "- adamw at 2x: lr=" in chosen
+    assert (out / "report" / "loss_vs_tokens.png").stat().st_size > 5000
+    headline = [line for line in stdout.splitlines() if line.startswith("| val/")]
+    assert len(headline) == 2
+
+
+def test_a_finished_study_trains_nothing_when_run_again(study):
+    out, _ = study
+    before = {p: p.read_bytes() for p in (out / "records").rglob("*") if p.is_file()}
+    proc = fair(*SMALL, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[fair] done: 20 runs, 0 trained now, 20 taken from the records" in proc.stdout
+    assert {p: p.read_bytes() for p in (out / "records").rglob("*") if p.is_file()} == before
+
+
+def test_an_interrupted_study_trains_only_what_is_missing(study, tmp_path):
+    out, _ = study
+    copy = tmp_path / "study"
+    shutil.copytree(out / "records", copy / "records")
+    entries = read_index(copy / "records")
+    gone = next(e for e in entries if e.stage == "final" and e.side == "adamw" and e.seed == 1)
+    shutil.rmtree(copy / "records" / gone.name)
+    write_index(copy / "records", [e for e in entries if e.name != gone.name])
+    proc = fair(*SMALL, "--out", str(copy))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[fair] done: 20 runs, 1 trained now, 19 taken from the records" in proc.stdout
+    # CPU training is deterministic: the run trained again is the run recorded before
+    again = {e.name: e for e in read_index(copy / "records")}
+    assert again.keys() == {e.name for e in entries} and again[gone.name].objective == gone.objective
+    for name in REPORTS:
+        assert (copy / "report" / name).read_bytes() == (out / "report" / name).read_bytes(), name
+
+
+def test_the_report_is_made_again_from_the_records_alone(study, tmp_path):
+    out, _ = study
+    shutil.copytree(out / "records", tmp_path / "records")
+    proc = fair("--report", str(tmp_path / "records"), "--out", str(tmp_path / "again"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in REPORTS:
+        assert (tmp_path / "again" / name).read_bytes() == (out / "report" / name).read_bytes(), name
+
+
+def test_the_committed_smoke_study_is_made_again_from_its_committed_records(tmp_path):
+    """docs/results/fair_smoke holds a --smoke study's records and the report made from them: the
+    tables come back byte for byte on any machine (the statistics sum in a fixed order)."""
+    committed = REPO / "docs" / "results" / "fair_smoke"
+    proc = fair("--report", str(committed / "records"), "--out", str(tmp_path / "again"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in REPORTS:
+        assert (tmp_path / "again" / name).read_bytes() == (committed / "report" / name).read_bytes(), name
+
+
+def test_records_of_another_corpus_mixed_in_are_refused(study, tmp_path):
+    out, _ = study
+    shutil.copytree(out / "records", tmp_path / "records")
+    entry = read_index(tmp_path / "records")[3]
+    env = tmp_path / "records" / entry.name / "environment.json"
+    record = json.loads(env.read_text())
+    record["corpus"]["id"] = "0123456789ab"
+    env.write_text(json.dumps(record))
+    proc = fair("--report", str(tmp_path / "records"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: records mix corpora: 0123456789ab ("), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
+def test_the_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
+    proc = run_python([SCRIPT, *SMALL, "--dry-run", "--out", str(tmp_path / "none")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("per side (equal: yes): tuning 2 trials, 512 tokens;") for line in lines), lines
+    assert any(line.startswith("budgets: 1x = 4 steps, 1.5x = 6 steps, 2x = 8 steps") for line in lines)
+    assert any(line.startswith("seeds: tuning [100], fresh for the comparison [0, 1]") for line in lines)
+    assert any(line.startswith("estimated time here: tune ") for line in lines)
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["spaces.adamw.lr.points=0"], "error: spaces.adamw.lr: an empty grid (points: 0)"),
+    (["spaces.muon.weight_decay.step=null", "+spaces.muon.weight_decay.low=0.3", "+spaces.muon.weight_decay.high=0.03"],
+     "error: spaces.muon.weight_decay: low 0.3 > high 0.03"),
+    (["+spaces.adamw.lr.poinst=3"], "error: spaces.adamw.lr.poinst: unknown field (did you mean points?)"),
+    (["spaces.adamw.lr.pionts=3"], "error: spaces.adamw.lr: no such dimension or field"),
+    (["tuning.trials=0"], "error: tuning.trials must be an integer >= 1, got 0"),
+    (["compare.budgets=[0.0,1.0,2.0]"], "error: compare.budgets: 0.0 is not a budget"),
+    (["compare.budgets=[1.0,2.0]"], "error: compare.budgets=[1.0, 2.0]: the comparison needs at least 3 budgets"),
+    (["compare.seeds=[0]"], "error: compare.seeds: 1 seed(s); a comparison needs at least 2"),
+    (["compare.seeds=[0,100]"], "error: compare.seeds: seed 100 is also a tuning seed"),
+    (["optim.lr=0.01"], "error: optim.lr=0.01: set by the study's search spaces"),
+    (["optim.weight_decay=0.1,0.2"], "error: optim.weight_decay=0.1,0.2: a sweep; the study chooses values itself"),
+    (["seed=3"], "error: seed=3: the study sets seed on every run itself"),
+    (["baseline=muon"], "error: target=muon and baseline=muon: compare two different spaces"),
+    # a grid the space allows and a run refuses: found by composing its corners before anything trains
+    ([f"{prefix}spaces.{side}.warmup.{field}" for side in ("muon", "adamw")
+      for prefix, field in (("", "step=null"), ("+", "low=0.1"), ("+", "high=1.0"), ("", "max=1"))],
+     "error: spaces.muon (highest point of every grid): optim.warmup_fraction must lie in [0, 1), got 1.0"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_trains(tmp_path, args, said):
+    proc = run_python([SCRIPT, *SMALL, *args, "--out", str(tmp_path / "study")], timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(said), proc.stderr
+    assert not (tmp_path / "study").exists()
+
+
+def test_the_report_of_a_dir_without_a_study_is_refused(tmp_path):
+    proc = run_python([SCRIPT, "--report", str(tmp_path)], timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: {tmp_path}: no records/{PLAN_FILE}: not a study made by scripts/fair_compare.py\n"
+
+
+def test_a_run_is_named_by_its_overrides_in_any_order_but_its_run_dir():
+    assert run_id(["a=1", "b=2", "hydra.sweep.subdir=x"]) == run_id(["b=2", "a=1"]) != run_id(["a=1", "b=3"])
+
+
+@pytest.mark.slow
+def test_the_smoke_study_runs_end_to_end(tmp_path):
+    """The documented command as it is: python scripts/fair_compare.py --smoke."""
+    proc = fair("--smoke", "--out", str(tmp_path / "smoke"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = load_study(tmp_path / "smoke")
+    assert len(data.of("tune", "muon")) == len(data.of("tune", "adamw")) == data.plan["tuning"]["trials"]
+    assert (tmp_path / "smoke" / "report" / "loss_vs_tokens.png").is_file()
+    assert (tmp_path / "smoke" / "records" / INDEX_FILE).is_file()
+
+
+def test_a_batch_dimension_keeps_each_runs_tokens():
+    """Batch size opened for both sides: a trial at twice the base batch runs half the steps, so
+    every trial of a budget trains the same tokens."""
+    from types import SimpleNamespace
+
+    from eval.search_space import parse_space
+    from scripts.fair_plan import run_steps
+
+    space = parse_space("adamw", {"optimizer": "adamw", "fixed": {},
+                                  "lr": {"key": "optim.lr", "scale": "log", "init": 1e-3, "step": 3.0, "points": 3},
+                                  "batch": {"key": "trainer.batch_size", "scale": "log", "integer": True, "init": 4,
+                                            "step": 2, "points": 3, "min": 1}})
+    plan = SimpleNamespace(steps=lambda budget: int(12 * budget), tokens_per_step=4 * 32, compare={"batch_size": 4})
+    assert run_steps(plan, space, {"lr": 1e-3, "batch": 4}, 1.0) == (12, 12 * 128)
+    assert run_steps(plan, space, {"lr": 1e-3, "batch": 8}, 1.0) == (6, 12 * 128)
+    assert run_steps(plan, space, {"lr": 1e-3, "batch": 2}, 2.0) == (48, 24 * 128)
+
+
+def test_a_diverged_or_crashed_run_is_recorded_counted_and_never_chosen(study, tmp_path):
+    """The study's stages driven by a launcher that returns what Hydra's would: the first run
+    diverges (its job returns NaN, as train.py's main() does for a multirun job), the second
+    crashes; each is recorded with its outcome, counted in its side's budget, and not chosen."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.fair_sweeper._study import StudyRunner
+
+    out, _ = study
+    (tmp_path / "records").mkdir()
+    shutil.copy(out / "records" / PLAN_FILE, tmp_path / "records" / PLAN_FILE)
+    launched: list[list[str]] = []
+
+    class Launcher:  # not the basic launcher: the runner hands it whole batches
+        def launch(self, jobs, initial_job_idx):
+            results = []
+            for job in jobs:
+                launched.append(job)
+                outcome = JobReturn(status=JobStatus.COMPLETED, _return_value=5.0 - len(launched) / 100)
+                if len(launched) == 1:
+                    outcome._return_value = float("nan")
+                elif len(launched) == 2:
+                    outcome = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom\nand more"))
+                results.append(outcome)
+            return results
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "runs")}}})
+    StudyRunner(str(tmp_path / "records" / PLAN_FILE), config, Launcher()).run()
+    entries = read_index(tmp_path / "records")
+    assert len(entries) == len(launched) == 20
+    first, second = entries[0], entries[1]
+    assert (first.stage, first.side, first.status, first.objective) == ("tune", "muon", "diverged", None)
+    assert (second.side, second.status, second.error) == ("adamw", "crashed", "RuntimeError: boom")
+    for e in (first, second):
+        assert (tmp_path / "records" / e.name / "metrics.jsonl.gz").is_file()
+    for side in ("muon", "adamw"):
+        assert len([e for e in entries if e.stage == "tune" and e.side == side]) == 2
+        chosen = next(e for e in entries if e.stage == "final" and e.side == side).values
+        tuned = [e for e in entries if e.stage == "tune" and e.side == side]
+        assert chosen == {**next(e for e in tuned if e.status == "ok").values, "lr": chosen["lr"]}
