@@ -102,6 +102,17 @@ def _run_call(rank: int, world_size: int, rendezvous: str, fn: Callable, args: t
         payload: tuple[str, Any] = ("ok", (fn(rank, world_size, *args), closeness.take()))
     except BaseException:  # report any failure to the parent with its traceback
         payload = ("error", traceback.format_exc())
+    else:
+        # No rank frees its groups before every rank has them whole. Gloo connects a group pair
+        # by pair, and a rank whose side of a pair is done returns from new_group while its
+        # peer may still be connecting: freed then, the peer's connect fails ("Connection
+        # closed by peer") and it hangs in its retries until the call's timeout (CI: a group
+        # made as fn returned). A rank whose fn failed skips this and frees its groups at once,
+        # which ends the others' barrier: its traceback is the call's answer.
+        try:
+            dist.barrier()
+        except Exception:
+            pass
     finally:
         # Groups fn built and dropped in reference cycles go now, with the interpreter whole,
         # and so do those that DTensor's caches hold (after FSDP2).

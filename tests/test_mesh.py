@@ -163,6 +163,7 @@ def _label_worker(rank: int, world_size: int) -> tuple[str, str, int]:
     group = dist.new_group(list(range(world_size)))
     comm.label_group(group, "tp")
     said = comm.group_label(group)
+    dist.barrier(group)  # both ranks have the group whole before one frees it (tests/distributed.py)
     dist.destroy_process_group(group)
     del group
     gc.collect()
