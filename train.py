@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from trainer.interrupts import install_start_up_handler
+from trainer.run.interrupts import install_start_up_handler
 
 install_start_up_handler()
 
@@ -31,19 +31,19 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from data.sources import DataConfigError
-from trainer.checkpoint_files import CheckpointError
+from trainer.checkpoint.files import CheckpointError
 from trainer.config import TrainConfig, register_configs, to_dataclass
 from trainer.device import DeviceError
-from trainer.launch import (end_job, launch_overrides, launch_rank, quiet_nonzero_rank_logging,
+from trainer.run.launch import (end_job, launch_overrides, launch_rank, quiet_nonzero_rank_logging,
                             record_launch_error, resume_command, start_job)
 from trainer.loop import NonFiniteLoss, Trainer
-from trainer.run_lock import RunLocked, claim, held, planned_run_dir
+from trainer.run.lock import RunLocked, claim, held, planned_run_dir
 from parallel.mesh import destroy_mesh, world_size_from_env
 from parallel.slurm import adopt_slurm_env
-from trainer.preflight import check_config, config_warnings, preflight
-from trainer.preemption import Preempted
-from trainer.run_kind import Finished, check_run_dir, objective_value
-from trainer.simulate import simulating
+from trainer.run.preflight import check_config, config_warnings, preflight
+from trainer.run.preemption import Preempted
+from trainer.run.kind import Finished, check_run_dir, objective_value
+from trainer.simulation.one_rank import simulating
 
 register_configs()
 log = logging.getLogger("train")
@@ -112,7 +112,7 @@ _checked_dir: str | None = None
 
 
 def run_dir_checks(typed: TrainConfig, run_dir: Path, dir_key: str) -> Finished | None:
-    """The run dir's own start-up checks (trainer/run_kind.py), before any data or model work:
+    """The run dir's own start-up checks (trainer/run/kind.py), before any data or model work:
     exit 2 with one line where it holds the other kind of run (a simulation's or a training
     run's); the finished run it holds, if it holds one, for the caller to say so and stop."""
     try:

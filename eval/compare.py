@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from optim.config import OptimConfig
-from trainer.run_env import read_environment, summary_line
+from eval.environment import read_environment, summary_line
 
 Series = tuple[list[int], list[float]]
 
@@ -184,7 +184,7 @@ def overrides_text(prefix: str, overrides: dict, neutral: float) -> str:
 
 def pipeline_words(environment: dict) -> str:
     """"; pp 2 (1f1b, blocks per stage 1, 1)" for a run with a pipeline (environment.json's
-    layout: pp, pp_schedule, pp_stages_per_rank, pp_layers_per_stage, as trainer/run_env.py
+    layout: pp, pp_schedule, pp_stages_per_rank, pp_layers_per_stage, as trainer/run/environment.py
     records them), "" without one: a record with no pp key predates pipelines (pp 1)."""
     layout = environment.get("layout") or {}
     pp = layout.get("pp", 1)

@@ -27,7 +27,7 @@ DIM_FIELDS = ("key", "scale", "init", "grid", "step", "points", "low", "high", "
 # issue lists for both optimizers. Side-specific dims (AdamW's eps, Muon's momentum) may differ.
 COMMON_DIMS = ("lr", "embed_lr_mult", "head_lr_mult", "norm_lr_mult", "weight_decay", "warmup",
                "decay_floor", "grad_clip")
-# Config dicts keyed by parameter family, empty by default: trainer/preflight.py FAMILY_DICTS,
+# Config dicts keyed by parameter family, empty by default: trainer/run/preflight.py FAMILY_DICTS,
 # repeated because eval/ may not import trainer/ (tests/test_search_space.py checks they agree).
 # Their keys take `++`: `+` fails once a base override (adamw_side=third) has set the family.
 FAMILY_DICTS = ("optim.lr_overrides", "optim.weight_decay_overrides")

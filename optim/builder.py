@@ -10,8 +10,9 @@ import torch
 from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
-from optim.muon import Muon, ns_shape
-from optim.ns_method import NSShape
+from optim.muon.optimizer import Muon, ns_shape
+from optim.muon.options import MuonOptions
+from optim.muon.ns_method import NSShape
 from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
 from optim.routing import muon_split_rows, route_parameters
@@ -86,26 +87,7 @@ def build_optimizer(
 
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if by_target["muon"]:
-        m = cfg.muon
-        optimizers["muon"] = Muon(
-            groups("muon"),
-            lr=cfg.lr,
-            momentum=m.momentum,
-            nesterov=m.nesterov,
-            ns_steps=m.ns_steps,
-            coefficients=m.coefficients,
-            ns_dtype=m.ns_dtype,
-            adjust_lr=m.adjust_lr,
-            eps=m.eps,
-            tp_mode=m.tp_mode,
-            compile_updates=compile_updates,
-            cautious_wd=cfg.cautious_wd,
-            ns_method=m.ns_method,
-            ns_by_shape=m.ns_by_shape,
-            cuda_graphs=m.cuda_graphs,
-            normuon=m.normuon,
-            normuon_beta2=m.normuon_beta2,
-        )
+        optimizers["muon"] = Muon(groups("muon"), lr=cfg.lr, options=MuonOptions.from_config(cfg, compile_updates))
     if by_target["adamw"]:
         optimizers["adamw"] = build_adamw(groups("adamw"), cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -27,15 +27,15 @@ class MuonConfig:
     split_heads: bool = False
     # How TP-sharded matrices reach Newton-Schulz whole: "gather" all-gathers the momentum
     # shards and orthogonalises the full matrix on every TP rank; "gram" iterates on the
-    # shards and all-reduces the small Gram matrix each step (see optim/newton_schulz.py).
+    # shards and all-reduces the small Gram matrix each step (see optim/muon/newton_schulz.py).
     tp_mode: str = "gather"
     eps: float = 1e-7
     # "standard", or "gram": Gram Newton-Schulz (iterates on the small Gram matrix, with a
     # restart after the second step) for matrices whose aspect ratio makes it cheaper, above
     # about 1.5; square ones stay standard. Under tp_mode=gram it also all-reduces the Gram
-    # matrix once per restart segment instead of every step. See optim/newton_schulz.py.
+    # matrix once per restart segment instead of every step. See optim/muon/newton_schulz.py.
     # "auto": Gram or standard per matrix shape, whichever measured faster on this device at
-    # start-up (optim/ns_choice.py); the choice is written into ns_by_shape.
+    # start-up (optim/muon/ns_choice.py); the choice is written into ns_by_shape.
     ns_method: str = "standard"
     # With ns_method=auto: {"ROWSxCOLS": "gram" or "standard"} per matrix shape Muon
     # orthogonalises (TP shards iterated as shards under tp_mode=gram: "ROWSxCOLS_shard_rows"
@@ -43,14 +43,14 @@ class MuonConfig:
     # records them all; a resumed run keeps its checkpoint's. Empty otherwise.
     ns_by_shape: Dict[str, str] = field(default_factory=dict)
     # On CUDA, replay each stack's Newton-Schulz as a CUDA graph recorded at the second step
-    # (one launch instead of ~20 per stack; optim/ns_graphs.py). Costs memory: each stack's
+    # (one launch instead of ~20 per stack; optim/muon/ns_graphs.py). Costs memory: each stack's
     # buffer is kept between steps (the sum of all stacks, not the largest one at a time), and
     # the graphs hold a memory pool for the iterations' scratch buffers (at least those of the
     # largest stack). Both are released at the end of each job, in a sweep too.
     cuda_graphs: bool = False
     # NorMuon (arXiv 2510.05491): divide each row (column, for wide matrices) of the
     # orthogonalised update by the root of its running mean square, then restore the update's
-    # norm. See optim/normuon.py.
+    # norm. See optim/muon/normuon.py.
     normuon: bool = False
     normuon_beta2: float = 0.95
 

@@ -35,7 +35,7 @@ HEAD_KINDS = frozenset({"attn_q", "attn_k", "attn_v"})
 
 
 def muon_split_rows(kind: str, split_heads: bool, head_dim: int) -> int | None:
-    """The `split_rows` of a Muon group of `kind` (optim/muon.py): one matrix per attention
+    """The `split_rows` of a Muon group of `kind` (optim/muon/optimizer.py): one matrix per attention
     head under optim.muon.split_heads for the kinds whose rows are heads, else None (whole
     matrices). The one rule the optimizer builders and the shape count share."""
     return head_dim if split_heads and kind in HEAD_KINDS else None

@@ -3,7 +3,7 @@
 FSDP2 leaves each parameter a DTensor whose local tensor is this rank's rows, and its
 gradient, reduce-scattered and averaged over the data-parallel ranks, the same rows. The
 optimizers step those local tensors in place (they share the DTensors' storage): ShardedMuon
-(optim/sharded_muon.py: whole matrices orthogonalised at their owners) for the hidden
+(optim/muon/row_sharded.py: whole matrices orthogonalised at their owners) for the hidden
 matrices, torch's fused AdamW for the rest. Their state is sharded like the parameters, so
 nothing here gathers a whole parameter.
 
@@ -23,7 +23,8 @@ from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.optimizer_set import OptimizerSet, OwnedPiece
 from optim.routing import muon_split_rows, route_parameters
-from optim.sharded_muon import ShardedMuon
+from optim.muon.options import MuonOptions
+from optim.muon.row_sharded import ShardedMuon
 from parallel.comm import all_reduce
 from parallel.fsdp import local_rows
 from parallel.mesh import Mesh
@@ -68,14 +69,8 @@ class ShardedOptimizer(OptimizerSet):
                     "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
                     **cfg.group_settings(kind),
                 })
-            m = cfg.muon
-            optimizers["muon"] = ShardedMuon(
-                groups, None, self.shard_group, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
-                ns_steps=m.ns_steps, coefficients=m.coefficients, ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr,
-                eps=m.eps, ns_method=m.ns_method, ns_by_shape=m.ns_by_shape, cautious_wd=cfg.cautious_wd,
-                tp_group=mesh.tp_group, normuon=m.normuon, normuon_beta2=m.normuon_beta2, tp_mode=m.tp_mode,
-                cuda_graphs=m.cuda_graphs,
-            )
+            optimizers["muon"] = ShardedMuon(groups, None, self.shard_group, lr=cfg.lr,
+                                             options=MuonOptions.from_config(cfg), tp_group=mesh.tp_group)
         if by_target["adamw"]:
             optimizers["adamw"] = build_adamw(
                 [{"params": [self.local[n] for n in names], "kind": kind, **cfg.group_settings(kind)}

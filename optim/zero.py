@@ -5,7 +5,7 @@ Per step, for the DP group:
      its segment (optim/zero_plan.py lays the segments out);
   2. clip with the global gradient norm (segment norms all-reduced over DP, and over TP for
      TP-sharded parameters);
-  3. each rank steps what it owns: whole Muon matrices (TP-aware, see optim/muon.py) and its
+  3. each rank steps what it owns: whole Muon matrices (TP-aware, see optim/muon/optimizer.py) and its
      flat pieces of the AdamW parameters, with optimizer state for those only;
   4. all-gather the updated segments back into every rank's parameters.
 
@@ -24,8 +24,8 @@ from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
-from optim.muon import Muon, tp_gather_dim
-from optim.muon_settings import matrix_layout
+from optim.muon.optimizer import Muon, tp_gather_dim
+from optim.muon.options import MuonOptions, matrix_layout
 from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
 from optim.routing import muon_split_rows, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
@@ -202,19 +202,12 @@ class ZeroOptimizer(OptimizerSet):
                 domain.owned.append((piece, s))
 
         if muon_groups:
-            m = cfg.muon
             groups = []
             for kind, plist in muon_groups.items():
                 group: dict[str, Any] = {"params": plist, "kind": kind, **cfg.group_settings(kind),
                                          "split_rows": split_rows(kind), "tp_group": mesh.tp_group}
                 groups.append(group)
-            optimizers["muon"] = Muon(groups, lr=cfg.lr, momentum=m.momentum, nesterov=m.nesterov,
-                                      ns_steps=m.ns_steps, coefficients=m.coefficients,
-                                      ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps,
-                                      tp_mode=m.tp_mode, compile_updates=compile_updates,
-                                      cautious_wd=cfg.cautious_wd, ns_method=m.ns_method,
-                                      ns_by_shape=m.ns_by_shape, cuda_graphs=m.cuda_graphs,
-                                      normuon=m.normuon, normuon_beta2=m.normuon_beta2)
+            optimizers["muon"] = Muon(groups, lr=cfg.lr, options=MuonOptions.from_config(cfg, compile_updates))
         if adamw_groups:
             groups = [{"params": plist, "kind": kind, **cfg.group_settings(kind)}
                       for kind, plist in adamw_groups.items()]

@@ -5,7 +5,7 @@ torch.distributed.fsdp.fully_shard unit: a block's parameters are all-gathered j
 its forward (and again before its backward when `reshard_after_forward`), and its gradients
 are reduce-scattered, averaged, as soon as its backward ends, which overlaps the
 communication with the neighbouring blocks' compute. Every parameter ends up a DTensor
-sharded on dim 0 (torch.chunk's rows on each rank), the layout optim/sharded_muon.py steps.
+sharded on dim 0 (torch.chunk's rows on each rank), the layout optim/muon/row_sharded.py steps.
 
 With `dp_replicate > 1` the unit's mesh is 2-D (dp_replicate, dp_shard): HSDP, sharded within
 a replica group and all-reduced across them.

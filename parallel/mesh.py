@@ -249,7 +249,7 @@ def init_simulated_mesh(layout_keys: dict[str, int], world_size: int, rank: int,
     no data between ranks (on torch 2.13 an all-reduce leaves its input, an all-gather repeats
     it in every slot; what parallel/comm.py makes of an all-to-all is said there). Shapes,
     sharding and this rank's memory are the real ones; values that other ranks would contribute
-    are not. For dry runs (trainer/simulate.py) and estimates (eval/memory_estimate.py)."""
+    are not. For dry runs (trainer/simulation/one_rank.py) and estimates (trainer/simulation/memory_estimate.py)."""
     if dist.is_initialized():
         raise RuntimeError("a simulated mesh needs a process without a process group (not under torchrun)")
     if not 0 <= rank < world_size:

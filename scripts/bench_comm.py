@@ -4,7 +4,7 @@
     python scripts/bench_comm.py --model gpt_tiny --layouts 2x1 2x2 --no-measure
 
 The designs (adamw-zero1, muon-ours, moonlight, megatron-poc) and their conventions are
-described in eval/scale_plan.py, which computes every row from the layouts; this script prints
+described in planning/scale_plan.py, which computes every row from the layouts; this script prints
 them, and measures our row: each layout with world size <= --max-world is run for real (gloo,
 spawned processes, one optimizer step of the real ZeroOptimizer on random gradients); the bytes
 counted by parallel/comm.py and the real plan's per-rank Newton-Schulz load must equal the
@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from eval.scale_plan import design_rows, local_params  # noqa: E402
+from planning.scale_plan import design_rows, local_params  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 

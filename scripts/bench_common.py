@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from model.config import ModelConfig
 from optim.builder import muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
-from optim.ns_method import gram_macs, standard_macs, use_gram
+from optim.muon.ns_method import gram_macs, standard_macs, use_gram
 from parallel.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def tensor_bytes(tensors) -> int:
 
 def newton_schulz_flops(model: torch.nn.Module, muon: MuonConfig, mesh: Mesh = Mesh()) -> int:
     """Newton-Schulz FLOPs of one Muon step on `model` (a GPT: its `cfg` gives the head size)
-    by optim/newton_schulz.py's multiply-add counts: the matrices and shapes Muon hands to
+    by optim/muon/newton_schulz.py's multiply-add counts: the matrices and shapes Muon hands to
     Newton-Schulz (optim.builder.muon_ns_shapes: experts, heads under split_heads, TP shards
     gathered whole or iterated as shards, as `mesh` lays them out), each with the iteration the
     configured method picks for its shape (use_gram; under ns_method=auto, ns_by_shape must
@@ -276,10 +276,10 @@ def planned_batch(cfg: ModelConfig, optims: list[str], seq_len: int, memory_byte
                   loss_chunks: int = 1, precision: str = "bf16", most: int = 4096) -> tuple[int, dict[str, float]]:
     """The largest micro-batch (sequences of seq_len tokens) whose planned peak on one GPU fits
     in memory_bytes for every optimizer in `optims`, by the planner's own rule (scripts/
-    plan_scale.py: eval/memory_plan.planned_memory's total at most the memory), and the
+    plan_scale.py: planning/memory_plan.planned_memory's total at most the memory), and the
     planned peak of each optimizer at it. (0, peaks at batch 1) when not even one sequence
     fits. One batch for all of them, so that their rows compare at the same tokens per step."""
-    from eval.memory_plan import planned_memory
+    from planning.memory_plan import planned_memory
     from parallel.mesh import Layout
 
     def peaks(batch: int) -> dict[str, float]:

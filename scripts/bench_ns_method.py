@@ -6,12 +6,12 @@
 For each model (gpt_124m and moe_1b by default), every distinct Muon matrix shape of the real
 model (built on the meta device) gets a row: Newton-Schulz of a stack of `--stack` matrices of
 that shape (0: as many as the model has), standard and Gram timed in interleaved rounds, the
-ratio the median of the per-round ratios. The multiply-add ratio of optim/newton_schulz.py's
+ratio the median of the per-round ratios. The multiply-add ratio of optim/muon/newton_schulz.py's
 cost model stands beside it, and a shape Gram does not pay for (square) runs standard either
 way, which shows as a ratio of about 1.
 
 The "auto picks" column is what optim.muon.ns_method=auto chooses for that shape on this
-device: the start-up measurement of optim/ns_choice.py (a small stack, a few repeats), with
+device: the start-up measurement of optim/muon/ns_choice.py (a small stack, a few repeats), with
 the speed-up it measured. Compare it with the interleaved speed-up beside it: auto should
 never pick the method that loses there by more than noise.
 
@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.scale_plan import local_params  # noqa: E402
-from optim import ns_choice  # noqa: E402
-from optim.muon import Muon  # noqa: E402
-from optim.newton_schulz import newton_schulz  # noqa: E402
-from optim.ns_method import NSShape, gram_macs, gram_pays, standard_macs  # noqa: E402
+from planning.scale_plan import local_params  # noqa: E402
+from optim.muon import ns_choice  # noqa: E402
+from optim.muon.optimizer import Muon  # noqa: E402
+from optim.muon.newton_schulz import newton_schulz  # noqa: E402
+from optim.muon.ns_method import NSShape, gram_macs, gram_pays, standard_macs  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 from scripts.bench_common import ROUND_STATS, interleaved_times, machine_info, paired_ratio  # noqa: E402
 

@@ -10,10 +10,10 @@ gpt_124m: 12 layers, d_model 768, 12 heads of 64, ffn_hidden 2048 (84 matrices).
 On CUDA more contenders of ours run: with compile_updates (the elementwise work as fused
 compiled kernels, what trainer.compile=true uses there), with cuda_graphs (each stack's
 Newton-Schulz replayed as a CUDA graph, optim.muon.cuda_graphs), both, both with
-ns_method=auto (Gram where it measured faster on this GPU, optim/ns_choice.py), and
+ns_method=auto (Gram where it measured faster on this GPU, optim/muon/ns_choice.py), and
 compile_updates with ns_method=auto but no graphs (compile_updates' compiled normalisation
 runs only without graphs), and that with inductor's combo kernels (several of the compiled
-elementwise kernels per launch: optim/muon_fused.py); each step time
+elementwise kernels per launch: optim/muon/fused.py); each step time
 is set against the Newton-Schulz FLOPs at the measured matmul peak: the floor any Muon step has.
 
 Measured in one run, all timings interleaved (every round steps each contender once, in
@@ -44,15 +44,15 @@ import importlib  # noqa: E402
 
 import torch.optim._muon as torch_muon_module  # noqa: E402
 
-from optim import ns_choice  # noqa: E402
-from optim.muon import Muon  # noqa: E402
-from optim.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
+from optim.muon import ns_choice  # noqa: E402
+from optim.muon.optimizer import Muon  # noqa: E402
+from optim.muon.newton_schulz import coefficients_for, newton_schulz  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio, peak_size,
     percent_of_peak, tensor_bytes,
 )
 
-ns_module = importlib.import_module("optim.newton_schulz")
+ns_module = importlib.import_module("optim.muon.newton_schulz")
 
 MODELS = {
     "gpt_small": dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024),
@@ -220,7 +220,7 @@ def main() -> None:
             print(f"ns_method=auto on this device ({label}): " + ", ".join(
                 f"{k} {v} ({picked.speedups[k]:.2f}x)" for k, v in sorted(picked.by_shape.items())))
             contenders[f"ours {label} compiled graphs auto"] = auto.step
-            # compile_updates' compiled normalisation is off under CUDA graphs (optim/muon.py):
+            # compile_updates' compiled normalisation is off under CUDA graphs (optim/muon/optimizer.py):
             # this one has it, and auto's choice, without graphs.
             fused = Muon(make_params(shapes, device), ns_dtype=ns, compile_updates=True, ns_method="auto",
                          ns_by_shape=picked.by_shape, **kw_ours)

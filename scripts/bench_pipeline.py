@@ -1,5 +1,5 @@
 """The pipeline bubble, measured: step time at pp 1 and pp 2 for several micro-batch counts,
-next to the planner's bubble fraction (eval/pipeline_plan.py), and Muon's share of the step on each stage.
+next to the planner's bubble fraction (planning/pipeline_plan.py), and Muon's share of the step on each stage.
 
     python scripts/bench_pipeline.py                        # gpt_small, 1f1b and gpipe, m = 2 4 8
     python scripts/bench_pipeline.py --model gpt_tiny --steps 6 --microbatches 2 4
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.pipeline_plan import bubble_fraction  # noqa: E402
+from planning.pipeline_plan import bubble_fraction  # noqa: E402
 from scripts.bench_common import machine_info  # noqa: E402
 
 

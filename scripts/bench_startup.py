@@ -48,6 +48,7 @@ def old_build(cfg, vocab_size: int, mesh, device: torch.device):
     from model.moe import moe_layers
     from model.parallelize import parallelize_moe, parallelize_tp
     from parallel.fsdp import apply_fsdp, fsdp_mesh
+    from trainer.config import reshard_after_forward
 
     torch.manual_seed(cfg.seed)
     model = parallelize_tp(GPT(replace(cfg.model, vocab_size=vocab_size)), mesh.tp_group, split_experts=mesh.ep == 1)

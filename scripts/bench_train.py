@@ -37,7 +37,7 @@ bf16 row's is its speed-up. The reference has no FP8: ours / reference of an FP8
 against the bf16 reference.
 
 --batch-size plan takes the micro-batch the planner picks for one GPU: the largest whose
-planned peak (eval/memory_plan.planned_memory, the rule of scripts/plan_scale.py) fits in the
+planned peak (planning/memory_plan.planned_memory, the rule of scripts/plan_scale.py) fits in the
 memory of the GPU's conf/hardware profile (--hardware, by default the one named after the CUDA
 device) or in --memory-gb, for every optimizer and precision of the run.
 
@@ -79,7 +79,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.scale_plan import Hardware  # noqa: E402
+from planning.scale_plan import Hardware  # noqa: E402
 from eval.step_census import fmt  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     hardware_for_device, linear_peak, machine_info, peak_size, percent_of_peak, planned_batch,
@@ -136,7 +136,7 @@ def plan_batch_size(args: argparse.Namespace) -> str:
                f"(planned peak {max(peaks.values()) / 1e9:.1f} GB)")
     args.batch_size = batch
     return (f"Micro-batch from the planner: {batch} x {args.seq_len} tokens, the largest whose planned peak on one "
-            f"GPU (eval/memory_plan.planned_memory) fits in {memory_gb:g} GB ({source}) "
+            f"GPU (planning/memory_plan.planned_memory) fits in {memory_gb:g} GB ({source}) "
             f"for {model} {precision}: planned peak " + ", ".join(f"{o} {v / 1e9:.1f} GB" for o, v in peaks.items())
             + ".")
 

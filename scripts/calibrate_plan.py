@@ -4,7 +4,7 @@
     python scripts/calibrate_plan.py --model gpt_tiny --layouts 2x1
 
 For each layout, spawned gloo ranks (one intra-op thread each) first measure this machine's
-rates the way eval/scale_plan.py's hardware profile states them, all ranks at once so that
+rates the way planning/scale_plan.py's hardware profile states them, all ranks at once so that
 they share the cores as they will in training, each as a throughput over a window: a fp32
 matmul rate (F.linear of --matmul-size squares), a memory bandwidth (a large copy), and the link between ranks (all-gathers
 of 4 bytes for the latency, of 16 MB for the bandwidth). Then they time, as medians over
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from eval.scale_plan import Hardware, predict  # noqa: E402
+from planning.scale_plan import Hardware, predict  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from scripts.bench_common import machine_info  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402

@@ -29,7 +29,7 @@ something, which always has the machine to itself.
                   goal: at most 3.5 ms
   gpt_1b          bench_train.py --one-at-a-time, gpt_1b compiled, bf16 and FP8 (--fp8, default
                   tensorwise), AdamW and Muon, at the micro-batch the planner picks for the GPU
-                  (--batch-size plan: eval/memory_plan.planned_memory within the conf/hardware
+                  (--batch-size plan: planning/memory_plan.planned_memory within the conf/hardware
                   profile's memory; 15 x 4096 on an H200), 2 warm-up and 3 timed steps each:
                   tokens/s, MFU, peak memory; goal: FP8 at least 1.2x bf16's tokens/s
   moe_1b          bench_train.py, moe_1b with Muon, batch 8 x 2048; goal: MFU at least 35%

@@ -7,11 +7,11 @@ FakeTensor estimate: does the rank fit, and how long is its compute per step?
 
 For each row, in its own processes:
   simulate   train.py with parallel.simulate_world: rank 0 of the layout over fake process
-             groups (trainer/simulate.py), a few real steps on the device; its last metrics row
+             groups (trainer/simulation/one_rank.py), a few real steps on the device; its last metrics row
              gives the peak device memory (allocated and reserved) and perf/simulated_step_s,
              the rank's compute per step (a real rank also waits for communication)
   estimate   scripts/estimate_memory.py --json: the same rank's memory under FakeTensorMode,
-             nothing allocated, and the planner's figure for it (eval/memory_plan.py)
+             nothing allocated, and the planner's figure for it (planning/memory_plan.py)
 The estimates need no GPU: they run on the CPU while the simulations hold the GPU.
 
 Printed (and written to --out/dry_runs.md): a table of measured peak, planner and estimate,
@@ -104,7 +104,7 @@ def gib(x: Optional[float]) -> str:
 def render(results: list[dict], batch: int, seq_len: int, vocab: int, device: str) -> str:
     lines = [f"Rank 0 of each layout, muon, bf16, micro-batch {batch} x {seq_len}, vocab {vocab}, on {device}. "
              "measured: the simulation's peak (CUDA: allocated by tensors / reserved by the allocator; CPU: "
-             "resident set); plan: eval/memory_plan.py; estimate: FakeTensor (scripts/estimate_memory.py).", "",
+             "resident set); plan: planning/memory_plan.py; estimate: FakeTensor (scripts/estimate_memory.py).", "",
              "| row | layout | checkpointing | measured allocated GiB | reserved GiB | plan GiB | estimate GiB "
              "| measured / plan | measured / estimate | compute s/step | tokens/s (this rank) | notes |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

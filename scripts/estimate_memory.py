@@ -1,6 +1,6 @@
 """One rank's memory in a training step of any layout, measured on this machine's CPU without
-allocating it (eval/memory_estimate.py: the real model and optimizer under FakeTensorMode),
-next to what the planner predicts for it (eval/memory_plan.planned_memory).
+allocating it (trainer/simulation/memory_estimate.py: the real model and optimizer under FakeTensorMode),
+next to what the planner predicts for it (planning/memory_plan.planned_memory).
 
     python scripts/estimate_memory.py --model gpt_8b --dp-shard 8 --tp 8
     python scripts/estimate_memory.py --model moe_16b --dp-shard 8 --ep 8 --seq-len 4096 --json
@@ -9,7 +9,7 @@ next to what the planner predicts for it (eval/memory_plan.planned_memory).
 The layout's world size is dp_replicate x dp_shard x tp (EP is carved out of the data-parallel
 ranks); --rank picks the rank measured. One estimate per process: process groups are global.
 Every bad value is one line naming its flag (exit code 2) before anything is built, a layout too
-large to estimate too (eval/layout_limits.py): the estimate's work grows with every rank.
+large to estimate too (planning/layout_limits.py): the estimate's work grows with every rank.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.layout_limits import oversized  # noqa: E402
-from eval.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_memory, train_config  # noqa: E402
-from eval.memory_plan import planned_memory, preset_config, preset_names  # noqa: E402
+from planning.layout_limits import oversized  # noqa: E402
+from trainer.simulation.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_memory, train_config  # noqa: E402
+from planning.memory_plan import planned_memory, preset_config, preset_names  # noqa: E402
 from model.config import CHECKPOINTING_MODES  # noqa: E402
 from parallel.mesh import Layout  # noqa: E402
 from scripts.refuse import refuse  # noqa: E402
@@ -33,7 +33,7 @@ from trainer.config import ConfigError, nearest  # noqa: E402
 GB = 1e9
 # The default sequence length, where the model's max_seq_len allows it: the presets' 4k context.
 SEQ_LEN = 4096
-# The flag that sets each config key the estimate's checks may name (eval/memory_estimate.py
+# The flag that sets each config key the estimate's checks may name (trainer/simulation/memory_estimate.py
 # train_config), so that a message names what the user typed.
 FLAGS = {"parallel.dp_replicate": "--dp-replicate", "parallel.dp_shard": "--dp-shard", "parallel.tp": "--tp",
          "parallel.ep": "--ep", "parallel.simulate_rank": "--rank", "trainer.batch_size": "--batch-size",

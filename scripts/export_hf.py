@@ -35,15 +35,15 @@ from data.quiet_imports import quiet_library_noise  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.hf_export import ExportError, export, model_config  # noqa: E402
 from scripts.refuse import BAD_INPUT  # noqa: E402
-from trainer import checkpoint_files  # noqa: E402
-from trainer.run_env import RUN_TOKENIZER_DIR  # noqa: E402
+from trainer.checkpoint import files as checkpoint_files  # noqa: E402
+from trainer.run.environment import RUN_TOKENIZER_DIR  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_checkpoint(path: Path, allow_suspect: bool = False) -> Path:
     """The checkpoint that `path` (a checkpoint, a checkpoints/ dir or a run dir) names, as
-    train.py's checkpoint.resume reads it (trainer/checkpoint_files.py)."""
+    train.py's checkpoint.resume reads it (trainer/checkpoint/files.py)."""
     return checkpoint_files.resolve_checkpoint(path, allow_suspect, "--allow-suspect")
 
 
@@ -68,7 +68,7 @@ def run_tokenizer(config: dict[str, Any], override: Optional[str] = None, source
     for runs from before that, the one the run's data config names (a pretrained tokenizer,
     or the BPE the trainer built in data.cache_dir)."""
     from data.config import DataConfig
-    from data.pipeline import resolve_cache_dir
+    from data.token_streams import resolve_cache_dir
     from data.sources import train_val_sources
     from data.tokenizer import load_pretrained, load_trained, trained_tokenizer_path
 

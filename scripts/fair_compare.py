@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_study(plan: Plan, out: Path, launch: list[str]) -> int:
     """Train (or resume) the study in `out` through train.py's Hydra sweep, then report."""
     from eval.fair_records import PLAN_FILE, RECORDS, RUNS, write_plan
-    from trainer.run_lock import RunLocked, claim
+    from trainer.run.lock import RunLocked, claim
 
     records = out / RECORDS
     earlier = records / PLAN_FILE

@@ -231,7 +231,7 @@ def check_runs_compose(study: dict, spaces: dict, train: list[str]) -> None:
     study here, named by its side (the checks are ranges, so the corners hold every point)."""
     from eval.search_space import trial_overrides
     from trainer.config import ConfigError, register_configs
-    from trainer.preflight import check_config, compose
+    from trainer.run.preflight import check_config, compose
 
     register_configs()
     fraction = float(study["tuning"]["split_fraction"])
@@ -249,7 +249,7 @@ def check_runs_compose(study: dict, spaces: dict, train: list[str]) -> None:
 def base_config(train: list[str], fraction: float) -> Any:
     """The TrainConfig of the study's base overrides: its batch and steps, before any trial's."""
     from trainer.config import to_dataclass
-    from trainer.preflight import compose
+    from trainer.run.preflight import compose
 
     return to_dataclass(compose([*train, f"data.tune_fraction={fraction}"], str(CONF)))
 
@@ -317,7 +317,7 @@ def probe_step_seconds(plan: Plan, side: str, steps: int = 3) -> float:
     from trainer.build import build_model
     from trainer.config import to_dataclass
     from trainer.device import resolve_device
-    from trainer.preflight import compose
+    from trainer.run.preflight import compose
 
     space = parse_space(side, plan.spaces[side])
     overrides = run_overrides(plan.train, trial_overrides(space, {d.name: d.init for d in space.dims}),

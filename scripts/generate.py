@@ -146,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not value >= minimum:  # before the checkpoint is read
             print(f"error: {flag} must be >= {minimum}, got {value}", file=sys.stderr)
             return BAD_INPUT
-    from trainer.checkpoint_files import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
 
     device = torch.device(args.device)
     try:

@@ -6,14 +6,14 @@
     python scripts/plan_scale.py --model gpt_8b --activation-checkpointing full --loss-chunks 8 --memory-gb 141
 
 For every GPU count, every feasible (dp, tp) layout (TP inside a node, dividing the heads and
-hidden sizes) and each design of eval/scale_plan.py (four ZeRO-1 ones, FSDP2 and HSDP), it
-writes one row: rank 0's memory (eval/memory_plan.planned_memory: parameters, gradients with
+hidden sizes) and each design of planning/scale_plan.py (four ZeRO-1 ones, FSDP2 and HSDP), it
+writes one row: rank 0's memory (planning/memory_plan.planned_memory: parameters, gradients with
 ZeRO's buffers, optimizer state, activations at the forward-backward peak, under
 --activation-checkpointing and --loss-chunks, and the step's peak, which decides whether the
 layout fits), DP and TP bytes, Newton-Schulz FLOPs of the busiest rank and the mean (our
 design's from the real LPT plan), and the predicted optimizer step and whole step, with the
 optimizer's share of it. Bytes and FLOPs are exact; times come from the hardware profile
-(conf/hardware/<name>.yaml) and the alpha-beta model of eval/collectives.py, calibrated where
+(conf/hardware/<name>.yaml) and the alpha-beta model of planning/collectives.py, calibrated where
 this project could measure (BENCHMARKS.md). scripts/estimate_memory.py checks one layout's
 memory against the real model and optimizer, measured under FakeTensorMode.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from eval.scale_plan import DESIGNS, Hardware, Step, ep_sizes, local_params, predict, predict_ep, tp_sizes  # noqa: E402
+from planning.scale_plan import DESIGNS, Hardware, Step, ep_sizes, local_params, predict, predict_ep, tp_sizes  # noqa: E402
 from model.config import CHECKPOINTING_MODES, ModelConfig  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 from scripts.refuse import refuse  # noqa: E402

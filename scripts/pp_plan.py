@@ -1,6 +1,6 @@
 """Where pipeline parallelism pays: per-rank memory and predicted step time of layouts with and
-without pp, for one model on N GPUs (eval/pipeline_plan.py's schedule costs on top of
-eval/memory_plan.py's memory and the planner's compute rate).
+without pp, for one model on N GPUs (planning/pipeline_plan.py's schedule costs on top of
+planning/memory_plan.py's memory and the planner's compute rate).
 
     python scripts/pp_plan.py --model gpt_8b --gpus 64
     python scripts/pp_plan.py --model moe_16b --gpus 64 --checkpointing full
@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from eval.flops import train_flops_per_token  # noqa: E402
-from eval.memory_plan import planned_memory  # noqa: E402
-from eval.pipeline_plan import PipelineCost, p2p_bytes  # noqa: E402
-from eval.scale_plan import Hardware  # noqa: E402
+from planning.memory_plan import planned_memory  # noqa: E402
+from planning.pipeline_plan import PipelineCost, p2p_bytes  # noqa: E402
+from planning.scale_plan import Hardware  # noqa: E402
 from parallel.mesh import Layout  # noqa: E402
 from scripts.bench_comm import model_config  # noqa: E402
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 # Imported before any group exists: its functions' `group=group.WORLD` defaults are evaluated
-# at import, and imported after init_process_group (trainer.checkpoint pulls it in through
+# at import, and imported after init_process_group (trainer.checkpoint.store pulls it in through
 # torch.distributed.checkpoint) they would hold the default group past destroy_process_group.
 import torch.distributed.nn.functional  # noqa: F401
 

@@ -114,7 +114,7 @@ def test_newton_schulz_flops_count_what_muon_orthogonalises_under_split_heads_an
     wv are 12 heads of 64 x 768 each, and ns_method=auto looks those head shapes up."""
     from model.gpt import GPT
     from optim.config import MuonConfig
-    from optim.ns_method import gram_macs, standard_macs
+    from optim.muon.ns_method import gram_macs, standard_macs
     from scripts.bench_comm import model_config
     from scripts.bench_common import newton_schulz_flops
 
@@ -144,8 +144,8 @@ def test_batch_size_plan_leaves_the_batch_to_the_planner_and_refuses_an_accumula
 def test_the_planner_picks_gpt_1b_s_micro_batch_for_one_gpu():
     """The largest batch whose planned peak fits the profile's memory for both optimizers (AdamW,
     with its two moments, is the larger): 15 sequences of 4096 on an H200, 8 on an H100."""
-    from eval.memory_plan import planned_memory, preset_config
-    from eval.scale_plan import Hardware
+    from planning.memory_plan import planned_memory, preset_config
+    from planning.scale_plan import Hardware
     from parallel.mesh import Layout
     from scripts.bench_common import hardware_for_device, planned_batch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from optim.adamw import CautiousAdamW
-from optim.muon import Muon
+from optim.muon.optimizer import Muon
 from tests.distributed import run_distributed
 from tests.test_distributed_muon import (optim_cfg, pair_batch, parallel_tolerance, single_process_floor,
                                         trained_pair)

@@ -221,7 +221,7 @@ def test_only_runs_an_optional_step_and_the_budget_arithmetic_overlaps_alongside
 # run of these steps exists yet); the tests check the summary's arithmetic on them.
 GPT_1B_LOG = """\
 Micro-batch from the planner: 15 x 4096 tokens, the largest whose planned peak on one GPU \
-(eval/memory_plan.planned_memory) fits in 141 GB (conf/hardware/h200_sxm.yaml) for gpt_1b bf16: planned peak \
+(planning/memory_plan.planned_memory) fits in 141 GB (conf/hardware/h200_sxm.yaml) for gpt_1b bf16: planned peak \
 adamw 135.7 GB, muon 131.9 GB.
 
 Micro-batch 15 x 4096 tokens; tokens per optimizer step: 61440 (1 micro-batch); ours: optim=adamw/muon; \

@@ -11,7 +11,9 @@ import torch
 from tests.conftest import TEST_VOCAB, compose
 from tests.distributed import run_distributed
 from tests.closeness import WELL_CONDITIONED, check_relative
-from trainer import checkpoint, checkpoint_files, checkpoint_state
+from trainer.checkpoint import files as checkpoint_files
+from trainer.checkpoint import state as checkpoint_state
+from trainer.checkpoint import store as checkpoint
 from trainer.config import to_dataclass
 
 COMMON = [
@@ -101,7 +103,7 @@ def test_corrupted_checkpoint_is_named_and_auto_falls_back(tmp_path, caplog):
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (1, 4), (4, 1)])
 def test_flat_ranges_cut_into_rectangles_that_cover_exactly_the_range(shape):
-    from trainer.checkpoint_shards import flat_boxes, flat_offset
+    from trainer.checkpoint.shards import flat_boxes, flat_offset
 
     n = math.prod(shape)
     for start in range(n):
@@ -117,7 +119,7 @@ def test_flat_ranges_cut_into_rectangles_that_cover_exactly_the_range(shape):
 
 
 def test_tp_placement_drops_the_vocabulary_padding():
-    from trainer.checkpoint_shards import Placement, pieces_of
+    from trainer.checkpoint.shards import Placement, pieces_of
 
     # 10 logical rows padded to 12, TP 2: rank 1 holds rows 6..11, of which 10 and 11 are padding.
     placement = Placement(split_dim=0, rank=1, rows=10, parts=2)

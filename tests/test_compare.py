@@ -130,7 +130,7 @@ def test_sweep_dirs_keep_the_best_lr_per_optimizer(tmp_path):
 
 
 def test_a_runs_label_names_its_pipeline(tmp_path):
-    """environment.json's layout as trainer/run_env.py records a pipeline run: pp and its schedule
+    """environment.json's layout as trainer/run/environment.py records a pipeline run: pp and its schedule
     and split; a record without pp (every run before pipelines, and pp 1) reads as before."""
     write_run(tmp_path / "pp", "muon", 1e-3, [3.0, 2.0], corpus="c")
     env_file = tmp_path / "pp" / "environment.json"

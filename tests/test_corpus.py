@@ -25,7 +25,7 @@ from data.manifest import (
     prose_chunks,
     select,
 )
-from data.pipeline import corpus_id, prepare_data
+from data.token_streams import corpus_id, prepare_data
 from data.source_checks import check_data_config
 from data.sources import DataConfigError, PydocTopicsSource, StdlibSource
 

@@ -18,7 +18,7 @@ from data.config import DataConfig, EvalSourceConfig
 from data.hashing import hash_fraction, hash_hex
 from data.loader import TrainBatches, eval_batches
 from data.manifest import Manifest
-from data.pipeline import prepare_data
+from data.token_streams import prepare_data
 from data.source_checks import check_data_config
 from data.sources import (
     DataConfigError,

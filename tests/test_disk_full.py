@@ -14,8 +14,8 @@ import pytest
 from tests.conftest import REPO
 from tests.test_checkpoint import COMMON, make_trainer
 from tests.test_faults import error_line
-from trainer import checkpoint_files
-from trainer.checkpoint_keeper import DiskFull
+from trainer.checkpoint import files as checkpoint_files
+from trainer.checkpoint.keeper import DiskFull
 
 
 def logged_steps(run_dir: Path) -> list[int]:

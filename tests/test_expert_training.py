@@ -142,10 +142,10 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     results = run_distributed(_ep_worker, 2, str(tmp_path), ["parallel.ep=2", "trainer.batch_size=2"], False)
     metrics = {r["step"]: r for r in read_metrics(tmp_path)}
     dispatches = results[0]["dispatches"]
-    from eval.scale_plan import ep_all_to_all_bytes
+    from planning.scale_plan import ep_all_to_all_bytes
     from scripts.bench_comm import model_config
 
-    # The planner's per-rank average (eval/scale_plan.py): what all ranks send, over the ranks.
+    # The planner's per-rank average (planning/scale_plan.py): what all ranks send, over the ranks.
     planned = ep_all_to_all_bytes(model_config("moe_tiny", 100), 2 * 32, tp=1, act_bytes=4)
     for step in range(0, 9):
         sent = sum(ep_bytes(d["rows"], d["received"], d["width"], d["width"], 4, d["bytes"])
@@ -162,7 +162,7 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     assert checked == 9 and len({d["received"] for d in dispatches}) > 1
     # The start-up line: the whole layout, and this rank's experts beside the model's total
     # (the planner's counts, from shapes alone).
-    from eval.memory_plan import local_params
+    from planning.memory_plan import local_params
 
     total = sum(p.numel for p in local_params(results[0]["model"], 1))
     mine = sum(p.numel for p in local_params(results[0]["model"], 1, ep=2))

@@ -243,7 +243,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_export_of_a_sharded_run_equals_the_single_process_one(tmp_path, runs, layout):
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
 
     saved = checkpoint_files.load(runs[layout] / "checkpoints" / "step_00000002")
     assert saved["mesh"] == ({"dp": 1, "tp": 2} if layout == "tp2" else {"dp": 2, "tp": 1})
@@ -352,7 +352,7 @@ def test_export_and_generate_print_none_of_torchaos_import_noise(tmp_path, runs)
 def test_a_suspect_checkpoint_is_refused_with_exit_2_in_one_line(tmp_path, runs, capsys):
     """Before: export_hf.py and generate.py exited 1 on it, train.py 2; now every refusal is 2."""
     from scripts import generate
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
 
     run = tmp_path / "run"
     shutil.copytree(runs["tp1"], run)

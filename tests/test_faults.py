@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from data.config import DataConfig
-from data.pipeline import prepare_data
+from data.token_streams import prepare_data
 from data.sources import DataConfigError, HFSource, is_held_out
 from tests.conftest import REPO
 from tests.prestarted import Started, run_python, start_python
 from tests.test_checkpoint import COMMON, make_trainer
-from trainer import checkpoint, checkpoint_files
+from trainer.checkpoint import files as checkpoint_files
+from trainer.checkpoint import store as checkpoint
 from trainer.loop import NonFiniteLoss
 
 
@@ -439,8 +440,8 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(tmp_path):
 def test_a_ctrl_c_lost_during_start_up_still_stops_the_run_before_training(monkeypatch):
     """Before: once, under load, the handler's SystemExit vanished and the run trained on.
     Here it is lost on purpose; training, about to take SIGINT over, still exits 130."""
-    from trainer import interrupts
-    from trainer.preemption import PreemptionFlag
+    from trainer.run import interrupts
+    from trainer.run.preemption import PreemptionFlag
 
     previous = signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(interrupts, "_interrupted", False)

@@ -22,7 +22,7 @@ from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_parallel_training import COMMON, losses, read_metrics, train_in_process
 from tests.closeness import check_relative
-from trainer import checkpoint_files
+from trainer.checkpoint import files as checkpoint_files
 from trainer.config import ConfigError, to_dataclass, validate
 
 CPU = torch.device("cpu")
@@ -312,7 +312,7 @@ def test_report_of_a_run_without_fp8():
 
 
 def test_fp8_without_compile_is_warned_at_start():
-    from trainer.preflight import config_warnings
+    from trainer.run.preflight import config_warnings
 
     eager = config_warnings(to_dataclass(compose(["trainer.fp8=rowwise"])))
     assert len(eager) == 1 and "trainer.fp8=rowwise" in eager[0] and "trainer.compile=true" in eager[0]
@@ -348,7 +348,7 @@ def test_float8_compiled_and_in_a_pipeline_tracks_the_eager_single_process_run(t
 def test_muon_steps_float8_wrapped_expert_weights_exactly_as_plain_ones():
     """On an H100 the experts' weights are torchao training tensors (their grouped GEMM runs
     in float8); Muon's step on them must be its step on the fp32 weights."""
-    from optim.muon import Muon
+    from optim.muon.optimizer import Muon
 
     plain, wrapped = Experts(4, 32, 64), Experts(4, 32, 64)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """FSDP2 (parallel/fsdp.py) on gloo: the sharded model computes the single-process gradients,
-accumulation reduces once, and Muon on its shards (optim/sharded_muon.py) takes the
+accumulation reduces once, and Muon on its shards (optim/muon/row_sharded.py) takes the
 single-process step. fp32 throughout, so the tolerances are tight.
 
 Not yet the trainer's path: train.py refuses parallel.dp_shard > 1 until it is wired in.
@@ -11,8 +11,8 @@ import torch
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from optim.muon import Muon
-from optim.sharded_muon import ShardedMuon
+from optim.muon.optimizer import Muon
+from optim.muon.row_sharded import ShardedMuon
 from parallel.fsdp import apply_fsdp, fsdp_mesh, sync_gradients
 from parallel.mesh import build_mesh
 from tests.distributed import run_distributed

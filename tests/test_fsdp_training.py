@@ -120,13 +120,13 @@ def _numbers_worker(rank: int, world: int, run_dir: str, extra: tuple[str, ...] 
 
 
 def test_fsdp_bytes_and_memory_meet_the_planners_formulas(tmp_path):
-    """What eval/scale_plan.py predicts for FSDP2, measured: rank 0's all-gather and
+    """What planning/scale_plan.py predicts for FSDP2, measured: rank 0's all-gather and
     reduce-scatter bytes per step (counted by parallel/comm.py around FSDP2's own
     collectives), and per-rank parameter, gradient and optimizer-state bytes at dp_shard=4."""
     import json
 
-    from eval.scale_plan import fsdp_dp_bytes, fsdp_memory, local_params, muon_exchange_bytes_per_rank
-    from optim.sharded_muon import exchange_bytes
+    from planning.scale_plan import fsdp_dp_bytes, fsdp_memory, local_params, muon_exchange_bytes_per_rank
+    from optim.muon.row_sharded import exchange_bytes
     world = 4
     results = run_distributed(_numbers_worker, world, str(tmp_path))
     params = local_params(results[0]["model"], 1)
@@ -161,7 +161,7 @@ def test_weights_kept_from_forward_to_backward_are_gathered_once(tmp_path):
     planner's formula says."""
     import json
 
-    from eval.scale_plan import fsdp_dp_bytes, local_params
+    from planning.scale_plan import fsdp_dp_bytes, local_params
 
     world = 2
     results = run_distributed(_numbers_worker, world, str(tmp_path), ("parallel.reshard_after_forward=false",))
@@ -194,7 +194,7 @@ def test_bf16_compute_from_fp32_master_weights(tmp_path):
     # The parameters are gathered in bf16: 2 bytes an element, as the planner counts them.
     import yaml
 
-    from eval.scale_plan import fsdp_dp_bytes, local_params
+    from planning.scale_plan import fsdp_dp_bytes, local_params
     from model.config import ModelConfig
 
     model = ModelConfig(**yaml.safe_load((tmp_path / "par" / "resolved_config.yaml").read_text())["model"])

@@ -13,7 +13,7 @@ from scripts import export_hf
 from tests.prestarted import run_python
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import cli, error_line, poison_step
-from trainer import checkpoint_files
+from trainer.checkpoint import files as checkpoint_files
 
 
 def names(directory: Path) -> list[str]:

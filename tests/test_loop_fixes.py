@@ -13,9 +13,9 @@ from model.moe import moe_layers
 from tests.test_checkpoint import make_trainer
 from tests.test_faults import poison_step
 from tests.closeness import approx
-from trainer import checkpoint_state
-from trainer import preemption
-from trainer.preemption import PreemptionFlag
+from trainer.checkpoint import state as checkpoint_state
+from trainer.run import preemption
+from trainer.run.preemption import PreemptionFlag
 from parallel.mesh import Mesh
 
 # Smaller than tests/test_checkpoint.py's runs: these tests need a few steps, not a model.

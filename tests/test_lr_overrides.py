@@ -47,7 +47,7 @@ def _one_step_deltas(rank: int, world: int, layout: list[str], optim: str) -> di
 
 def _full_params(trainer) -> dict[str, torch.Tensor]:
     """Every parameter whole: FSDP2's DTensors gathered, TP's shards joined."""
-    from trainer.checkpoint_state import logical_state
+    from trainer.checkpoint.state import logical_state
 
     if trainer.sharded:
         return {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}

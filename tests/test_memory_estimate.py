@@ -1,4 +1,4 @@
-"""The memory plan (eval/memory_plan.py) against the FakeTensor estimate (eval/memory_estimate.py):
+"""The memory plan (planning/memory_plan.py) against the FakeTensor estimate (trainer/simulation/memory_estimate.py):
 the real model and optimizer of one rank of gpt_1b, gpt_8b and moe_16b layouts, measured without
 memory, against the planner's formulas; and the estimate itself against a real gpt_tiny's tensors.
 
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from eval.memory_plan import Dtypes, activation_memory, planned_memory, preset_config
+from planning.memory_plan import Dtypes, activation_memory, planned_memory, preset_config
 from parallel.mesh import Layout
 from tests.distributed import run_distributed
 from tests.prestarted import Started, start_python
@@ -36,7 +36,7 @@ REAL_ROWS = [dict(REAL, dp_shard=2), dict(REAL, dp_shard=1)]
 
 PROGRAM = """
 import json, sys
-from eval.memory_estimate import EstimateSpec, estimate_memory
+from trainer.simulation.memory_estimate import EstimateSpec, estimate_memory
 print(json.dumps([estimate_memory(EstimateSpec(**spec)).to_dict() for spec in json.loads(sys.argv[1])]))
 """
 
@@ -74,10 +74,10 @@ def estimates():
 
 
 def _real_step_worker(rank: int, world: int, spec: dict) -> list[dict[str, int]]:
-    """One real training step of gpt_tiny as eval/memory_estimate.py configures it, on the
+    """One real training step of gpt_tiny as trainer/simulation/memory_estimate.py configures it, on the
     two-rank FSDP2 layout and (rank 0) in one process: the bytes of the rank's parameters,
     gradients after the backward, and optimizer state after the step, tensor by tensor."""
-    from eval.memory_estimate import EstimateSpec, train_config
+    from trainer.simulation.memory_estimate import EstimateSpec, train_config
     from optim.builder import build_optimizer
     from parallel.fsdp import local_rows
     from parallel.mesh import Mesh, build_mesh, release_subgroups

@@ -14,7 +14,7 @@ from model.moe import MoE, balance_experts, check_moe_config, moe_layers
 from model.parallelize import check_tp_divisibility, parallelize_tp
 from optim.builder import build_optimizer
 from optim.config import MuonConfig, OptimConfig
-from optim.muon import Muon
+from optim.muon.optimizer import Muon
 from tests.distributed import run_distributed
 from tests.test_distributed_muon import parallel_tolerance, worst_relative_error
 from tests.test_tensor_parallel import gathered

@@ -14,7 +14,7 @@ import yaml
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import launch
+from trainer.run import launch
 from tests.conftest import REPO, compose, requires
 from tests.prestarted import run_python
 from trainer.config import to_dataclass, validate
@@ -225,7 +225,7 @@ def test_sweep_jobs_share_a_wandb_group_unless_the_user_gave_one():
 def test_sweep_jobs_are_named_by_what_they_vary_and_label_their_progress(capsys):
     """Before: every run of an lr sweep had the same wandb name, and the progress lines of
     jobs running side by side could not be told apart."""
-    from trainer.progress import Progress
+    from trainer.run.progress import Progress
 
     typed = to_dataclass(compose(["optim=adamw"]))
     launch.start_job(typed, fake_hydra(RunMode.MULTIRUN))

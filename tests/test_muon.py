@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon_module
 
-import optim.muon as muon_module
+import optim.muon.optimizer as muon_module
 from eval.step_census import census
-from optim.muon import Muon
+from optim.muon.optimizer import Muon
 from tests.closeness import assert_close, check
 
-NS = importlib.import_module("optim.newton_schulz")
+NS = importlib.import_module("optim.muon.newton_schulz")
 
 # The last two take the fp32 symmetric-block path on CPU (min side >= 128).
 SHAPES_2D = [(64, 32), (32, 64), (48, 48), (96, 40), (160, 128), (128, 192)]
@@ -343,7 +343,7 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype, combo):
     With bf16 Newton-Schulz the fused update reads the last iterate in bf16, where the eager
     path casts it into the fp32 stack first: the same values. Combo kernels (on a GPU, several
     kernels a launch) change the launches, not the values."""
-    from optim.newton_schulz import _CPU_BUFFERS, release_buffers
+    from optim.muon.newton_schulz import _CPU_BUFFERS, release_buffers
 
     release_buffers()
     shapes = [(48, 80), (80, 48), (3, 16, 24), (48, 80)]
@@ -373,9 +373,10 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype, combo):
         assert_close(opt_fused.state[a]["momentum_buffer"], opt_eager.state[b]["momentum_buffer"],
                                    rtol=1e-6, atol=1e-7)
     if combo:  # compiled with combo kernels (muon_fused.compiled's cache key says so)
-        from optim import muon_fused
+        from optim.muon import fused as muon_fused
+        from optim.muon.options import update_step
 
-        assert (muon_fused.update_step, True) in muon_fused._COMPILED
+        assert (update_step, True) in muon_fused._COMPILED
     bf16_out = [key for key in _CPU_BUFFERS.cache if key[0] == "muon.ortho"]
     assert bool(bf16_out) == (ns_dtype == "bf16") and all(key[3] == torch.bfloat16 for key in bf16_out)
 
@@ -384,8 +385,8 @@ def test_the_compiled_normalisation_rounds_like_the_eager_one():
     """compile_updates normalises the Newton-Schulz input in compiled kernels: the same bf16
     X0 as the eager division (its norm summed in another order: at most one bf16 step apart,
     and nearly always equal), and zero for a skipped step."""
-    from optim import muon_fused
-    from optim.newton_schulz import _normalise
+    from optim.muon import fused as muon_fused
+    from optim.muon.newton_schulz import _normalise
 
     G = torch.randn(6, 48, 80, generator=torch.Generator().manual_seed(0)) * 3.0
     eager, fused = torch.empty(G.shape, dtype=torch.bfloat16), torch.empty(G.shape, dtype=torch.bfloat16)

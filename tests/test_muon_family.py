@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from parallel.comm import COUNTER
-from optim import newton_schulz as NS
-from optim.muon import Muon
-from optim.newton_schulz import newton_schulz, muon_scale
-from optim.ns_method import gram_macs, gram_pays, standard_macs
-from optim.newton_schulz_tp import newton_schulz_sharded
+from optim.muon import newton_schulz as NS
+from optim.muon.optimizer import Muon
+from optim.muon.newton_schulz import newton_schulz, muon_scale
+from optim.muon.ns_method import gram_macs, gram_pays, standard_macs
+from optim.muon.newton_schulz_tp import newton_schulz_sharded
 from tests.distributed import run_distributed
 from tests.test_distributed_muon import (CFG, optim_cfg, pair_batch, parallel_tolerance, single_process_floor,
                                         trained_pair)
@@ -281,8 +281,8 @@ def _option_worker(rank: int, world: int, tp: int, option: str, tp_mode: str) ->
     took a Gram iteration (whole-matrix or sharded): Gram and standard agree to fp32 rounding,
     so the error alone would not show a Gram path that is never taken; and the error's
     tolerance (tests/test_distributed_muon.py parallel_tolerance)."""
-    import optim.newton_schulz as ns
-    import optim.newton_schulz_tp as ns_tp
+    import optim.muon.newton_schulz as ns
+    import optim.muon.newton_schulz_tp as ns_tp
 
     gram_calls = []
     patched = ((ns, "_iterate_gram"), (ns_tp, "_gram_sharded"))

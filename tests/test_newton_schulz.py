@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from optim.newton_schulz import (
+from optim.muon.newton_schulz import (
     COEFFICIENTS,
     NORM_SAFETY,
     coefficients_for,
@@ -21,8 +21,8 @@ from optim.newton_schulz import (
 from tests.matmul_precision import true_fp32_matmuls  # noqa: F401 (a fixture, requested by name)
 from tests.closeness import approx, assert_close, check
 
-# The module itself (optim/__init__ keeps `optim.newton_schulz` free of re-exports, but be safe).
-NS = importlib.import_module("optim.newton_schulz")
+# The module itself (optim/__init__ keeps `optim.muon.newton_schulz` free of re-exports, but be safe).
+NS = importlib.import_module("optim.muon.newton_schulz")
 
 # Square, wide, tall, batched 3-D. Square Gaussian matrices have sigma_min / ||G||_F ~ n^-1.5,
 # far below what 5 steps can lift, so every test matrix gets a controlled spectrum: singular
@@ -284,7 +284,7 @@ def test_momentum_update(nesterov):
         assert_close(b, eb)
 
 
-# ---------------------------------------------------------------- CUDA graphs (optim/ns_graphs.py)
+# ---------------------------------------------------------------- CUDA graphs (optim/muon/ns_graphs.py)
 #
 # A recorded CUDA graph reruns its kernels on the tensors it was recorded with. On the CPU the
 # same contract is emulated: "recording" binds the eager iteration to those exact tensors and
@@ -292,7 +292,7 @@ def test_momentum_update(nesterov):
 # record, when a graph is replayed, the gate copied in before each replay, out aliasing G.
 # The gpu-marked tests below replay real graphs against the eager kernels.
 
-from optim import ns_graphs  # noqa: E402
+from optim.muon import ns_graphs  # noqa: E402
 
 
 @pytest.fixture
@@ -396,8 +396,8 @@ def test_a_changed_matmul_flag_records_its_own_graph(flag, monkeypatch, emulated
 def test_the_end_of_a_job_releases_the_graphs_and_the_kept_buffers(emulated_graphs):
     """A sweep's next job must neither replay this job's graphs nor find its GPU memory held:
     end_job drops both, and nothing else keeps the stacks alive."""
-    from optim.muon import Muon
-    from trainer import launch
+    from optim.muon.optimizer import Muon
+    from trainer.run import launch
     from trainer.device import tf32_flags
 
     params = [torch.nn.Parameter(torch.randn(16, 24)) for _ in range(3)]
@@ -447,7 +447,7 @@ def test_the_next_job_records_into_a_new_pool_on_the_same_stream(monkeypatch):
 def test_muon_with_cuda_graphs_equals_muon_without(device, dtype, true_fp32_matmuls, request):
     """Three stacks (square, wide, tall) over four steps, the third skipped on the device;
     emulated graphs on the CPU, real ones on CUDA."""
-    from optim.muon import Muon
+    from optim.muon.optimizer import Muon
 
     if device == "cpu":
         request.getfixturevalue("emulated_graphs")

@@ -13,13 +13,13 @@ import pytest
 import torch
 import yaml
 
-from optim import ns_choice
+from optim.muon import ns_choice
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.config import MuonConfig, OptimConfig
-from optim.muon import Muon, ns_shape
-from optim.muon_settings import ns_by_shape_problem
-from optim.newton_schulz import newton_schulz
-from optim.ns_method import NSShape, use_gram
+from optim.muon.optimizer import Muon, ns_shape
+from optim.muon.options import ns_by_shape_problem
+from optim.muon.newton_schulz import newton_schulz
+from optim.muon.ns_method import NSShape, use_gram
 from tests.distributed import run_distributed
 from tests.test_checkpoint import make_trainer
 from tests.test_distributed_muon import CFG, batches, parallel_tolerance, single_process_floor, train
@@ -93,7 +93,7 @@ def test_a_resume_keeps_its_checkpoints_choice_and_measures_only_new_shapes():
 
 
 def test_the_default_timer_times_the_real_iteration_on_this_device(monkeypatch):
-    from optim import newton_schulz as NS
+    from optim.muon import newton_schulz as NS
 
     stacks = []
     monkeypatch.setattr(NS, "_iterate_gram", lambda X, *a, _f=NS._iterate_gram: stacks.append(("gram", X.shape)) or _f(X, *a))
@@ -113,7 +113,7 @@ def test_the_default_timer_times_the_real_iteration_on_this_device(monkeypatch):
 def test_under_cuda_graphs_the_timer_times_replays_and_drops_its_graphs(monkeypatch):
     """optim.muon.cuda_graphs: what is timed is what the steps run, graph replays (emulated on
     the CPU as in tests/test_newton_schulz.py), and the graphs go once the choice is made."""
-    from optim import ns_graphs
+    from optim.muon import ns_graphs
 
     replays = []
     monkeypatch.setattr(ns_graphs, "DEVICE_TYPES", ("cpu",))
@@ -252,7 +252,7 @@ def test_an_auto_step_equals_each_shape_stepped_with_its_chosen_method():
 
 
 def test_the_chosen_iteration_is_the_one_that_runs(monkeypatch):
-    from optim import newton_schulz as NS
+    from optim.muon import newton_schulz as NS
 
     ran = []
     monkeypatch.setattr(NS, "_iterate_gram", lambda X, *a, _f=NS._iterate_gram: ran.append(("gram", tuple(X.shape[1:]))) or _f(X, *a))
@@ -280,7 +280,7 @@ def test_model_shapes_are_what_muon_orthogonalises():
 
 
 def test_tp_shards_are_named_as_newton_schulz_sees_them(monkeypatch):
-    import optim.muon as muon_module
+    import optim.muon.optimizer as muon_module
 
     monkeypatch.setattr(muon_module, "group_size", lambda group: 1 if group is None else 4)
     p = torch.nn.Parameter(torch.randn(16, 64))

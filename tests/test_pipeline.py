@@ -97,7 +97,7 @@ def test_pipeline_training_tracks_the_single_process_run(tmp_path, singles, worl
         expected = accum * m * (2 * per_rank_stages - 1) * hidden
         assert step["comm/pp/send_bytes"] == step["comm/pp/recv_bytes"] == expected
         # and the planner's count of the same traffic
-        from eval.pipeline_plan import p2p_bytes
+        from planning.pipeline_plan import p2p_bytes
         assert expected == accum * p2p_bytes(2, 0, m, per_rank // m, seq, 64, 4, per_rank_stages)
 
 
@@ -231,7 +231,7 @@ def test_ns_method_auto_is_decided_together_when_a_stage_holds_no_muon_matrix(tm
 def assert_same_final_parameters(a: Path, b: Path, tol: float) -> None:
     """Every parameter of the two runs' final checkpoints (whole-model names, whatever layout
     saved them) within `tol` relative (the norm of the difference over the norm)."""
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
 
     pa = checkpoint_files.load(a / "checkpoints" / "step_00000010")["params"]
     pb = checkpoint_files.load(b / "checkpoints" / "step_00000010")["params"]
@@ -263,7 +263,7 @@ def test_the_planned_split_and_placement():
 
 
 def test_the_planners_bubble_and_memory_follow_the_schedules_formulas():
-    from eval.pipeline_plan import bubble_fraction, in_flight, sends_per_microbatch
+    from planning.pipeline_plan import bubble_fraction, in_flight, sends_per_microbatch
 
     p, m = 4, 8
     assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == approx((p - 1) / (m + p - 1))
@@ -355,7 +355,7 @@ def _pp_layout(run_dir: Path, pp: int, mode: str, options: list[str]) -> None:
 def test_pipeline_checkpoints_resume_and_move_between_pp_sizes(tmp_path, saved, loaded):
     """A run stopped after its step-4 checkpoint (the trainer dropped, as a killed job's is) and
     resumed with resume=auto: bit-identical at the same pp, within 1e-5 at another."""
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
     from tests.test_checkpoint import assert_continues_like
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -20,14 +20,15 @@ from torch.overrides import TorchFunctionMode
 
 from optim import fast_dtype
 from optim.fast_dtype import CpuFeatures, PrecisionChoice
-from optim.muon import Muon
+from optim.muon.optimizer import Muon
 from tests.conftest import compose
 from tests.distributed import run_distributed
 from tests.test_checkpoint import make_trainer
 from hydra.types import RunMode
 
 from tests.test_multirun import TINY, fake_hydra
-from trainer import launch, precision
+from trainer import precision
+from trainer.run import launch
 from trainer.config import ConfigError, to_dataclass, validate
 from trainer.device import TF32Flags, check_local_gpus, set_tf32, tf32_allowed, tf32_flags
 from parallel.mesh import Mesh, build_mesh
@@ -253,7 +254,7 @@ def test_trainer_logs_and_records_the_resolved_precision(tmp_path, cpu, caplog):
     assert (saved["trainer"]["precision"], saved["optim"]["muon"]["ns_dtype"]) == ("fp32", "fp32")
     assert saved["model"]["vocab_size"] == trainer.model_cfg.vocab_size > 0
     trainer.train()
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
 
     state = checkpoint_files.load(tmp_path / "checkpoints" / "step_00000001")
     assert state["config"]["trainer"]["precision"] == "fp32"

@@ -28,7 +28,7 @@ def test_a_signal_during_training_stops_it_with_128_plus_its_number(signals, cod
     """Before: Ctrl-C during training exited 143, as if a scheduler had ended the job. The
     process-level check (a run stepping, then the signal) is in tests/test_faults.py."""
     from parallel.mesh import Mesh
-    from trainer.preemption import PreemptionFlag
+    from trainer.run.preemption import PreemptionFlag
 
     flag = PreemptionFlag()
     try:

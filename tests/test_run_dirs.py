@@ -13,8 +13,8 @@ import pytest
 from tests import job_return
 from tests.conftest import REPO
 from tests.prestarted import run_python
-from trainer.sinks import METRICS_FILE, SET_ASIDE_FILE
-from trainer.simulate import ROW_FLAG
+from trainer.run.sinks import METRICS_FILE, SET_ASIDE_FILE
+from trainer.simulation.one_rank import ROW_FLAG
 
 TINY = [
     "model=gpt_tiny", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.seq_len=32", "trainer.precision=fp32",
@@ -110,7 +110,7 @@ def test_relaunching_a_finished_run_says_so_and_writes_nothing(finished, tmp_pat
     assert {k: v for k, v in after.items() if k not in before} == {}  # Hydra rewrote .hydra/ and the log, no more
     assert {k for k in before if after[k] != before[k]} <= {".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml",
                                                             ".hydra/overrides.yaml", "train.log", ""}
-    from trainer.run_kind import Finished
+    from trainer.run.kind import Finished
 
     final = rows(run_dir / METRICS_FILE)[-1]
     assert job_return.read(returned) == final["train/loss"] != final["val/val/loss"]
@@ -128,7 +128,7 @@ def test_a_finished_run_whose_checkpoint_fails_its_digests_is_left_to_the_start_
 
     from tests.conftest import compose
     from trainer.config import to_dataclass
-    from trainer.run_kind import finished_run
+    from trainer.run.kind import finished_run
 
     run_dir = tmp_path / "copy"
     shutil.copytree(finished[0], run_dir)

@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import REPO
 from tests.prestarted import Started, run_python, start_python
 from tests.test_faults import wait_for_step
-from trainer import run_lock
-from trainer.run_lock import LOCK_NAME, RunLock, RunLocked, claim, held, planned_run_dir, read_holder
+from trainer.run import lock as run_lock
+from trainer.run.lock import LOCK_NAME, RunLock, RunLocked, claim, held, planned_run_dir, read_holder
 
 HOST = socket.gethostname()
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all_reduce_s, tree_all_reduce_s
-from eval.memory_plan import activation_bytes_per_token, planned_memory
-from eval.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
+from planning.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all_reduce_s, tree_all_reduce_s
+from planning.memory_plan import activation_bytes_per_token, planned_memory
+from planning.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
 from model.gpt import GPT
 from scripts.bench_comm import measure, model_config
 from tests.prestarted import run_python
@@ -167,7 +167,7 @@ def test_fsdp_and_hsdp_designs_use_the_formulas_the_counted_run_checks():
     """The planner's FSDP2 rows are fsdp_dp_bytes + the Muon exchange (bytes), the formulas
     tests/test_fsdp_training.py meets on a counted run, and planned_memory of their layout
     (memory); HSDP shards within a node and all-reduces its gradient shards across nodes."""
-    from eval.scale_plan import fsdp_dp_bytes, fsdp_memory, muon_exchange_bytes_per_rank
+    from planning.scale_plan import fsdp_dp_bytes, fsdp_memory, muon_exchange_bytes_per_rank
     from model.config import ModelConfig
     from parallel.mesh import Layout
 
@@ -204,7 +204,7 @@ def test_checkpointing_and_loss_chunks_lower_the_planned_peak_by_what_they_drop(
     """gpt_1b on 8 GPUs (FSDP2): full checkpointing keeps one residual-sized input per block
     instead of each block's activations, and N loss chunks divide the loss's vocabulary-sized
     tensors by N; neither changes parameters, gradients or state."""
-    from eval.memory_plan import activation_memory, head_bytes_per_token, preset_config, Dtypes
+    from planning.memory_plan import activation_memory, head_bytes_per_token, preset_config, Dtypes
     from parallel.mesh import Layout
 
     cfg = preset_config("gpt_1b")
@@ -229,7 +229,7 @@ def test_ep_designs_hold_and_move_what_the_real_zero_optimizer_does_under_ep(opt
     """At dp 4 x ep 2: the planner's DP bytes (the dense ZeRO-1 over DP plus the experts' over
     the 2 ranks that hold the same ones) and the busiest rank's optimizer state equal one
     counted step of ZeroOptimizer with EP on gloo."""
-    from eval.scale_plan import predict_ep
+    from planning.scale_plan import predict_ep
 
     cfg = model_config("moe_tiny", 97)
     dp, ep = 4, 2

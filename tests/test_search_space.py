@@ -62,7 +62,7 @@ def schema_has(key: str) -> bool:
 
 
 def test_every_key_a_shipped_space_sets_is_a_real_config_key():
-    from trainer.preflight import FAMILY_DICTS as TRAINER_FAMILY_DICTS
+    from trainer.run.preflight import FAMILY_DICTS as TRAINER_FAMILY_DICTS
 
     assert FAMILY_DICTS == TRAINER_FAMILY_DICTS  # repeated in eval/ (which may not import trainer/)
     for space in (ADAMW, MUON):

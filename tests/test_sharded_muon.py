@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.muon import Muon
-from optim.sharded_muon import ShardedMuon, exchange_bytes
+from optim.muon.optimizer import Muon
+from optim.muon.row_sharded import ShardedMuon, exchange_bytes
 from parallel.fsdp import row_range
 from tests.distributed import run_distributed
 from tests.closeness import assert_close
@@ -291,7 +291,7 @@ def test_normuon_on_heads_whose_rows_lie_on_two_ranks(world_size):
 def _graphs_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from optim import ns_graphs
+    from optim.muon import ns_graphs
 
     # CUDA graphs emulated on the CPU, as tests/test_newton_schulz.py does: "recording" binds the
     # eager iteration to the exact tensors passed, "replay" reruns it on them, so a replay reads

@@ -19,8 +19,8 @@ from parallel.fsdp import row_range
 from parallel.mesh import Layout, Mesh, destroy_mesh
 from tests.conftest import REPO, compose
 from trainer.config import ConfigError, register_configs, to_dataclass
-from trainer.preflight import preflight
-from trainer.simulate import MemoryPeak, memory_report, planned_memory_of
+from trainer.run.preflight import preflight
+from trainer.simulation.one_rank import MemoryPeak, memory_report, planned_memory_of
 
 TINY = [
     "trainer.device=cpu", "trainer.precision=fp32", "trainer.peak_tflops=1", "trainer.max_steps=2",
@@ -140,8 +140,8 @@ def test_a_simulated_rank_holds_its_real_shards_trains_its_share_and_saves_nothi
         assert all(math.isfinite(v) for k, v in row.items() if k.startswith("val/"))
     env = json.loads((run_dir / "environment.json").read_text())
     assert env["simulation"] == {"simulate_world": WORLD, "simulate_rank": rank, "processes": 1}
-    # What trainer/run_kind.py knows a simulation's dir by: a training run refuses it.
-    from trainer.run_kind import dir_records
+    # What trainer/run/kind.py knows a simulation's dir by: a training run refuses it.
+    from trainer.run.kind import dir_records
     assert dir_records(run_dir).simulation == ['2 rows marked "simulated": 1 in metrics.jsonl',
                                                'the "simulation" entry of environment.json']
     resolved = (run_dir / "resolved_config.yaml").read_text()
@@ -262,7 +262,7 @@ def test_a_layout_too_large_to_simulate_is_refused_naming_the_bound(argv, said):
 def test_a_simulation_larger_than_this_machine_is_refused_before_anything_is_built(monkeypatch):
     """Before: gpt_8b on a 23 GB machine printed nothing for minutes and was then killed. The
     machine here is made small (1 GiB), not the model large."""
-    import trainer.simulate as simulate
+    import trainer.simulation.one_rank as simulate
 
     monkeypatch.setattr(simulate, "host_memory", lambda device: (1 << 30, "its RAM"))
     argv = ["model=gpt_tiny", "parallel.simulate_world=8", "parallel.dp_shard=8", "trainer.device=cpu",

@@ -15,7 +15,7 @@ from data.source_checks import MissingPackageError, check_data_packages
 from tests.conftest import REPO, requires
 from data.sources import DataConfigError
 from trainer.config import ConfigError, LoggerConfig, TrainConfig, WandbConfig, validate
-from trainer.sinks import (
+from trainer.run.sinks import (
     SET_ASIDE_FILE,
     MetricSinks,
     WandbOnlineError,
@@ -58,7 +58,8 @@ def test_all_three_sinks_receive_the_metrics(tmp_path):
 
 
 def test_the_environment_record_keeps_the_first_start_and_appends_resumes(tmp_path):
-    from trainer.run_env import read_environment, record_environment, summary_line
+    from eval.environment import read_environment, summary_line
+    from trainer.run.environment import record_environment
 
     first = {"python": "3.11.7", "torch": "2.13.0", "cuda": None, "device": "cpu model", "world_size": 1,
              "layout": {"dp": 1, "tp": 1}, "git": {"commit": "abcdef1234567890", "dirty": False},

@@ -22,9 +22,9 @@ import yaml
 from tests.conftest import REPO, compose
 from tests.prestarted import run_python
 from trainer.config import ParallelConfig, to_dataclass
-from trainer.launch import resume_command
-from trainer.preflight import check_config, config_warnings, preflight
-from trainer.resume_checks import fp8_change, schedule_changes
+from trainer.run.launch import resume_command
+from trainer.run.preflight import check_config, config_warnings, preflight
+from trainer.checkpoint.resume_checks import fp8_change, schedule_changes
 
 PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_small, moe_tiny"
 
@@ -136,7 +136,7 @@ def test_hydra_advice_keeps_its_fix_in_the_one_line(typed, said):
     """In process, for every case (the BAD_INPUTS rows check exit code 2 end to end); the
     spelling each line advises composes."""
     from trainer.config import ConfigError, register_configs
-    from trainer.preflight import compose as preflight_compose
+    from trainer.run.preflight import compose as preflight_compose
 
     register_configs()
     with pytest.raises(ConfigError) as err:
@@ -335,7 +335,7 @@ def test_a_run_dir_resumes_from_its_newest_good_checkpoint_as_export_reads_it(tm
     """Before: refused (no trainer.json), while scripts/export_hf.py and generate.py took it."""
     from scripts.export_hf import resolve_checkpoint
     from tests.test_checkpoint import COMMON, make_trainer
-    from trainer import checkpoint_files
+    from trainer.checkpoint import files as checkpoint_files
     from trainer.loop import Trainer
 
     fixed = ["trainer.batch_size=2", "trainer.peak_tflops=1"]

@@ -12,7 +12,7 @@ from data.cache import cache_key
 from data.config import DataConfig, EvalSourceConfig
 from data.hashing import digest, split_side
 from data.manifest import CorpusPart, Manifest, code_chunks, chunk_key
-from data.pipeline import check_lengths, prepare_data
+from data.token_streams import check_lengths, prepare_data
 from data.source_checks import check_data_config
 from data.sources import DataConfigError, HashSplit, StdlibSource, eval_source, train_val_sources
 from data.tokenizer import trained_tokenizer_path

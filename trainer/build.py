@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from data.pipeline import PreparedData, prepare_data
+from data.token_streams import PreparedData, prepare_data
 from data.sources import DataConfigError
 from eval.flops import device_peak_flops
 from model.activation_checkpoint import apply_activation_checkpointing

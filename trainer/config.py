@@ -22,9 +22,7 @@ from data.config import DataConfig
 from model.config import CHECKPOINTING_MODES, ModelConfig
 from model.fp8 import FP8_FILTERS, FP8_RECIPES
 from optim.config import OptimConfig
-from optim.muon_settings import NS_DTYPES, ns_by_shape_problem
-from optim.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
-from optim.ns_method import NS_METHODS
+from optim.muon.options import check_config_options
 from optim.routing import ALL_KINDS
 from parallel.pipeline import SCHEDULES
 
@@ -174,10 +172,10 @@ class ParallelConfig:
     # N-rank layout (the parallel.* keys above describe the whole N-rank mesh) over fake
     # process groups whose collectives move no data: the real shapes, sharding, optimizer
     # owner plan and memory of that rank, at full size on one device. Its losses mean nothing
-    # and it writes no checkpoint (trainer/simulate.py).
+    # and it writes no checkpoint (trainer/simulation/one_rank.py).
     simulate_world: int = 0
     simulate_rank: int = 0
-    # A simulation whose planned memory for the rank (eval/memory_plan.py) exceeds this
+    # A simulation whose planned memory for the rank (planning/memory_plan.py) exceeds this
     # machine's (a CPU's RAM, a GPU's memory) is refused at start, before anything is built: it
     # would swap or be killed minutes later. true runs it anyway (the plan leaves out what it
     # cannot count, and the process may fit where the plan says it does not).
@@ -361,20 +359,14 @@ def validate(cfg: TrainConfig) -> None:
     _finite("model.aux_loss_coef", m.aux_loss_coef, zero_allowed=True)
 
     _choice("optim.name", o.name, ("muon", "adamw"))
-    _choice("optim.muon.ns_dtype", o.muon.ns_dtype, ("auto", *NS_DTYPES))
-    _choice("optim.muon.coefficients", o.muon.coefficients, tuple(COEFFICIENTS))
-    _choice("optim.muon.adjust_lr", o.muon.adjust_lr, ADJUST_LR_MODES)
-    _choice("optim.muon.tp_mode", o.muon.tp_mode, ("gather", "gram"))
-    _choice("optim.muon.ns_method", o.muon.ns_method, NS_METHODS)
-    if (ns_problem := ns_by_shape_problem(o.muon.ns_method, o.muon.ns_by_shape)) is not None:
-        raise ConfigError(ns_problem)
-    for key, value in (("optim.muon.normuon_beta2", o.muon.normuon_beta2), ("optim.muon.momentum", o.muon.momentum),
-                       ("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+    try:
+        check_config_options(o)  # every optim.muon.* value, where the optimizer checks them
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         if not 0 <= value < 1:  # also rejects NaN
             raise ConfigError(f"{key} must lie in [0, 1), got {value}")
-    for key, value in (("optim.eps", o.eps), ("optim.muon.eps", o.muon.eps)):
-        _finite(key, value)
-    _positive("optim.muon.ns_steps", o.muon.ns_steps)
+    _finite("optim.eps", o.eps)
     _finite("optim.weight_decay", o.weight_decay, zero_allowed=True)
     if not o.grad_clip >= 0:  # a negative value used to turn clipping off without a word
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 turns clipping off)")

@@ -7,7 +7,7 @@ import torch
 from eval.evaluate import attention_max_logits, eval_losses, max_logit_metrics
 from data.loader import eval_batches
 from parallel.fsdp import reshard
-from trainer import simulate
+from trainer.simulation import one_rank as simulate
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

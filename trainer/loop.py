@@ -21,28 +21,30 @@ from parallel.comm import COUNTER as COMM, region
 from model.moe import balance_experts, reset_routing_stats
 from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
-from optim.ns_choice import resolve_ns_method
+from optim.muon.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
 from optim.schedule import lr_at, warmup_steps, warmup_words
-from trainer import checkpoint, checkpoint_files, checkpoint_state
+from trainer.checkpoint import files as checkpoint_files
+from trainer.checkpoint import state as checkpoint_state
+from trainer.checkpoint import store as checkpoint
 from trainer import device as dev
-from trainer import run_env
-from trainer import simulate
+from trainer.run import environment as run_env
+from trainer.simulation import one_rank as simulate
 from trainer.config import TrainConfig
 from parallel.fsdp import sync_gradients
 from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
-from trainer.resume_checks import resume_changes
-from trainer.interrupts import exit_if_interrupted_during_start_up
-from trainer.preemption import Preempted, PreemptionFlag
+from trainer.checkpoint.resume_checks import resume_changes
+from trainer.run.interrupts import exit_if_interrupted_during_start_up
+from trainer.run.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
-from trainer.progress import Progress
-from trainer.sinks import MetricSinks, set_aside_rows_after
+from trainer.run.progress import Progress
+from trainer.run.sinks import MetricSinks, set_aside_rows_after
 from model.fp8 import refresh_weight_scales
 from trainer.build import build_pipeline_model, measured_peak_flops, model_line, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
 from trainer.pipeline import PipelineRun, merged_over, pipeline_record
-from trainer.checkpoint_keeper import CheckpointKeeper
+from trainer.checkpoint.keeper import CheckpointKeeper
 from trainer.skips import SkipCounter, flag_step
 
 log = logging.getLogger("trainer")
@@ -63,7 +65,7 @@ class NonFiniteLoss(RuntimeError):
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, mesh: Optional[Mesh] = None) -> None:
         self.run_dir = run_dir
-        # A simulation (parallel.simulate_world) resumes and saves nothing: trainer/simulate.py.
+        # A simulation (parallel.simulate_world) resumes and saves nothing: trainer/simulation/one_rank.py.
         cfg = simulate.dry_run_config(cfg)
         dev.use_deterministic_kernels(cfg.trainer.deterministic)
         self.device = dev.resolve_device(cfg.trainer.device, dev.local_rank())

@@ -103,7 +103,7 @@ def stage_plan(cfg: TrainConfig, pp_rank: int) -> StagePlan:
 
 
 def pipeline_record(cfg: TrainConfig) -> dict:
-    """The pipeline as environment.json's layout records it (trainer/run_env.py): its schedule,
+    """The pipeline as environment.json's layout records it (trainer/run/environment.py): its schedule,
     stages per rank, micro-batches and blocks per stage (what parallel.pp_layers_per_stage
     would set), each stage's in stage order."""
     spec = pipeline_spec(cfg)
