@@ -255,7 +255,7 @@ def grid_edge_warnings(arms: list, best: list, length: Callable[[Any], Any] = la
     its optimizer swept (among `arms` of the same `length`, when given: a schedule length), out
     of two or more: the sweep cannot show that an lr beyond it would not do better, and a
     comparison at a best lr that is not inside its grid may flatter one optimizer
-    (docs/results.md). Names the lr, the grid and which side to extend."""
+    (lab/results.md). Names the lr, the grid and which side to extend."""
     lines = []
     for chosen in best:
         grid = sorted({arm.lr for arm in arms if arm.optimizer == chosen.optimizer and arm.lr is not None

@@ -76,8 +76,8 @@ def linear_config(recipe: str, fsdp_all_gather: bool, device: torch.device):
     """torchao's Float8LinearConfig for `recipe`; FP8 all-gather only where FSDP2 shards and
     the recipe is tensorwise (torchao supports it for no other). Off CUDA the matmuls are
     emulated: the same float8 casts, then the product in high precision, because a CPU has no
-    float8 units, and torch's CPU _scaled_mm ran 76x to 640x slower than the emulation
-    (scripts/bench_fp8_cpu.py, BENCHMARKS.md)."""
+    float8 units, and torch's CPU _scaled_mm ran far slower than the emulation
+    (scripts/bench/bench_fp8_cpu.py, lab/BENCHMARKS.md)."""
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
     return replace(config, enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise",
                    emulate=device.type != "cuda")

@@ -81,7 +81,7 @@ def check_tp_divisibility(cfg: ModelConfig, tp: int, split_experts: bool = True)
 
 # The dimension TP splits, by parameter-name suffix (0: output rows, 1: input columns);
 # anything else is replicated. parallelize_tp below must agree (a test checks it); tools
-# that reason about layouts without processes (scripts/bench_comm.py) read it here.
+# that reason about layouts without processes (scripts/bench/bench_comm.py) read it here.
 TP_SPLIT_BY_SUFFIX: dict[str, int] = {
     "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
     "w_gate.weight": 0, "w_up.weight": 0, "w_down.weight": 1,  # dense MLP and shared experts

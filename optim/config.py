@@ -102,7 +102,7 @@ class OptimConfig:
     # ZeRO-1 (data parallel > 1): split the parameter all-gather after the step into this many
     # buckets, each launched asynchronously as soon as its matrices are updated, so the
     # transfer overlaps the Newton-Schulz of later buckets. 1: one all-gather after the whole
-    # step. See BENCHMARKS.md for the side-by-side measurement behind the default.
+    # step. See lab/BENCHMARKS.md for the side-by-side measurement behind the default.
     gather_buckets: int = 1
     muon: MuonConfig = field(default_factory=MuonConfig)
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)

@@ -7,10 +7,9 @@ bf16 the next.
 
 - CUDA: bf16 on compute capability 8.0 and newer (bf16 tensor cores), else fp32.
 - CPU: bf16 only with a bf16 matrix unit, Intel AMX (`amx_bf16`), else fp32. Without one a
-  bf16 matmul is no faster than fp32 and often far slower: about 20x slower on AVX2, and at
-  best level with fp32 under AVX512's BF16 dot-product extension (`avx512_bf16`, a vector
-  instruction, not a matrix unit; 0.5x to 1.2x fp32's speed measured on such a 2-core VM),
-  so there bf16 would give up mantissa bits for nothing.
+  bf16 matmul is no faster than fp32 and often far slower (AVX2), at best level with fp32
+  under AVX512's BF16 dot-product extension (`avx512_bf16`, a vector instruction, not a
+  matrix unit; lab/BENCHMARKS.md), so there bf16 would give up mantissa bits for nothing.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ latency and beta its bandwidth per GPU and direction. Over a group of p GPUs:
 A group's link is the slowest one its ring crosses: NVLink when the whole group sits in one
 node, else InfiniBand (one NIC per GPU, as on DGX/HGX nodes, so every GPU of a multi-node ring
 gets the NIC's bandwidth). Congestion, NCCL's protocol choice (LL / LL128 / Simple) and the
-hierarchical algorithms are not modelled; the calibration in BENCHMARKS.md says how far off
+hierarchical algorithms are not modelled; the calibration in lab/BENCHMARKS.md says how far off
 this is where it could be measured.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one rank holds, and the memory it takes: the parameter inventory of a layout (shapes
 alone, from the model built on the meta device) and the formulas for its bytes.
 
-Two users: the scale planner's designs (planning/scale_plan.py, scripts/plan_scale.py) and the dry
+Two users: the scale planner's designs (planning/scale_plan.py, scripts/plan/plan_scale.py) and the dry
 run (trainer/simulation/one_rank.py), both through `planned_memory`. The formulas are checked against
 trainer/simulation/memory_estimate.py, which measures the real model and optimizer of a layout's rank under
 FakeTensorMode (tests/test_memory_estimate.py), and the activation count against autograd's

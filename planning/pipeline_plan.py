@@ -1,6 +1,6 @@
 """What a pipeline costs, per schedule: the idle share of a step (the bubble), how many
 micro-batches' activations a stage holds at its peak, and the bytes each rank sends between
-stages. The pipeline rows of docs/scaling.md come from here (scripts/pp_plan.py).
+stages. The pipeline rows of lab/scaling.md come from here (scripts/plan/pp_plan.py).
 
 Units. p stages deep (parallel.pp), v stages per rank (parallel.pp_stages_per_rank), m
 micro-batches per pipeline run (parallel.pp_microbatches). A micro-batch's forward plus backward

@@ -20,10 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eval.trace_stats import CATEGORIES, Comparison, RankStats, analyze_run, compare, run_dir_of  # noqa: E402
+from eval.trace_stats import CATEGORIES, Comparison, RankStats, analyze_run, compare, run_dir_of
 
 
 def label(path: Path) -> str:

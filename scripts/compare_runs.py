@@ -43,17 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eval.compare import (  # noqa: E402
+from eval.compare import (
     Run, best_per_optimizer, ewm, find_runs, grid_edge_warnings, leading_steps, load_run, mixed_corpora,
 )
-from eval.run_precision import arm_precision, mixed_precisions, run_precision  # noqa: E402
-from eval.seeds import (  # noqa: E402
+from eval.run_precision import arm_precision, mixed_precisions, run_precision
+from eval.seeds import (
     Arm, Estimate, estimate, group_arms, in_run_ratio_over_seeds, paired_difference, schedule_ratio_over_seeds,
 )
-from scripts.refuse import refuse  # noqa: E402
+from scripts.refuse import refuse
 
 BEST_KEY = "val/val/loss"
 

@@ -25,18 +25,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from data.quiet_imports import quiet_library_noise  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.hf_export import ExportError, export, model_config  # noqa: E402
-from scripts.refuse import BAD_INPUT  # noqa: E402
-from trainer.checkpoint import files as checkpoint_files  # noqa: E402
-from trainer.run.environment import RUN_TOKENIZER_DIR  # noqa: E402
+from data.quiet_imports import quiet_library_noise
+from model.config import ModelConfig
+from model.hf_export import ExportError, export, model_config
+from scripts.refuse import BAD_INPUT
+from trainer.checkpoint import files as checkpoint_files
+from trainer.run.environment import RUN_TOKENIZER_DIR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -31,14 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from data.quiet_imports import quiet_library_noise  # noqa: E402
-from scripts.fair_plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,  # noqa: E402
+from data.quiet_imports import quiet_library_noise
+from scripts import REPO
+from scripts.fair_plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,
                                probe_step_seconds, route)
-from scripts.refuse import refuse  # noqa: E402
+from scripts.refuse import refuse
 
 # What a study must share with the records already in its dir to go on there: changed, the runs
 # recorded would not be the runs this plan asks for.

@@ -13,10 +13,10 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts import REPO
+
 CONF = REPO / "conf"
 
 # The study's own groups of keys; any other override is train.py's.

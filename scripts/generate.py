@@ -17,15 +17,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from data.quiet_imports import quiet_library_noise  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from scripts.refuse import BAD_INPUT  # noqa: E402
+from data.quiet_imports import quiet_library_noise
+from model.gpt import GPT
+from scripts.refuse import BAD_INPUT
 
 # Takes the tokens not yet seen by the model [B, T] and returns the logits that follow the
 # last of them [B, V]; it keeps whatever state (KV cache, or the whole sequence) it needs.

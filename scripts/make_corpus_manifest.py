@@ -13,14 +13,11 @@ depend on one build. The labels are recorded in the manifest's `sources`.
 from __future__ import annotations
 
 import argparse
-import sys
 import zipfile
 from pathlib import Path, PurePosixPath
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.manifest import MANIFEST_PATH, TOPICS_FILE, CorpusPart, Manifest, is_stripped, read_topics  # noqa: E402
-from scripts.refuse import refuse  # noqa: E402
+from data.manifest import MANIFEST_PATH, TOPICS_FILE, CorpusPart, Manifest, is_stripped, read_topics
+from scripts.refuse import refuse
 
 
 class Library:

@@ -1,7 +1,7 @@
 """Record finished runs for committing: what compare_runs.py reads, in a few tens of KB a run.
 
-    python scripts/record_runs.py outputs/reference/adamw outputs/reference/muon --into docs/results/runs/dense
-    python scripts/compare_runs.py docs/results/runs/dense/adamw docs/results/runs/dense/muon
+    python scripts/record_runs.py outputs/reference/adamw outputs/reference/muon --into lab/results/runs/dense
+    python scripts/compare_runs.py lab/results/runs/dense/adamw lab/results/runs/dense/muon
 
 Each SOURCE is a run dir or a sweep dir; every run below it goes to INTO/<SOURCE's name>/<its
 path below SOURCE>, with its metrics.jsonl gzipped (the same bytes once decompressed), its
@@ -15,14 +15,10 @@ leaves out its runs still going instead of refusing them (eval/run_records.py).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eval.run_records import RecordError, plan_records, write_record  # noqa: E402
-from scripts.refuse import refuse  # noqa: E402
+from eval.run_records import RecordError, plan_records, write_record
+from scripts.refuse import refuse
 
 
 def main() -> None:

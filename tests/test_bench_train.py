@@ -1,4 +1,4 @@
-"""scripts/bench_train.py --tokens-per-step: the accumulation arithmetic, the refusal of a target
+"""scripts/bench/bench_train.py --tokens-per-step: the accumulation arithmetic, the refusal of a target
 that is not a whole number of micro-batches, both arms accumulating alike, and the table's
 tokens/step, ratio and Muon / AdamW columns at a toy size (no timing is asserted)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.bench_train import grad_accum_for, parse_args
-from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer
+from scripts.bench.bench_train import grad_accum_for, parse_args
+from scripts.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
 from tests.prestarted import run_python
 from tests.closeness import approx
 
@@ -57,7 +57,7 @@ def test_the_table_shows_each_target_with_its_ratios():
     """A toy run: every row carries its target tokens/step, ours its ratio to the reference at
     the same target, and the Muon / AdamW table one row per target."""
     out = run_python(
-        ["scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
+        ["scripts/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
          "--optims", "adamw", "muon", "--rounds", "1", "--warmup", "0", "--batch-size", "2", "--seq-len", "16",
          "--tokens-per-step", "32", "128", "--peak-size", "64", "--peak-repeats", "1", "--device", "cpu"],
         timeout=600, check=True,
@@ -93,8 +93,8 @@ def test_newton_schulz_flops_of_a_gpt_124m_muon_step():
     from eval.flops import train_flops_per_token
     from model.gpt import GPT
     from optim.config import MuonConfig
-    from scripts.bench_comm import model_config
-    from scripts.bench_common import newton_schulz_flops
+    from scripts.bench.bench_comm import model_config
+    from scripts.bench.bench_common import newton_schulz_flops
 
     cfg = model_config("gpt_124m", vocab=8192)
     with torch.device("meta"):
@@ -115,8 +115,8 @@ def test_newton_schulz_flops_count_what_muon_orthogonalises_under_split_heads_an
     from model.gpt import GPT
     from optim.config import MuonConfig
     from optim.muon.ns_method import gram_macs, standard_macs
-    from scripts.bench_comm import model_config
-    from scripts.bench_common import newton_schulz_flops
+    from scripts.bench.bench_comm import model_config
+    from scripts.bench.bench_common import newton_schulz_flops
 
     with torch.device("meta"):
         model = GPT(model_config("gpt_124m", vocab=8192))
@@ -147,7 +147,7 @@ def test_the_planner_picks_gpt_1b_s_micro_batch_for_one_gpu():
     from planning.memory_plan import planned_memory, preset_config
     from planning.scale_plan import Hardware
     from parallel.mesh import Layout
-    from scripts.bench_common import hardware_for_device, planned_batch
+    from scripts.bench.bench_common import hardware_for_device, planned_batch
 
     cfg = preset_config("gpt_1b", 8192)  # the embedded corpus's vocabulary, what bench_train trains on
     assert hardware_for_device("NVIDIA H200") == "h200_sxm" and hardware_for_device("NVIDIA H100 80GB HBM3") == "h100_sxm"

@@ -17,7 +17,7 @@ from model.gpt import GPT
 from model.parallelize import parallelize_tp
 from parallel.fsdp import apply_fsdp
 from parallel.mesh import build_mesh
-from scripts.bench_comm import model_config
+from scripts.bench.bench_comm import model_config
 from tests.distributed import run_distributed
 from tests.closeness import check, check_relative
 

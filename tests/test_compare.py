@@ -149,7 +149,7 @@ def test_a_runs_label_names_its_pipeline(tmp_path):
 
 
 def test_a_best_lr_at_the_edge_of_its_grid_is_warned():
-    """docs/results.md: the grid must contain the best lr. Arms of one optimizer at lrs 1e-3, 3e-3
+    """lab/results.md: the grid must contain the best lr. Arms of one optimizer at lrs 1e-3, 3e-3
     and 1e-2 (another optimizer's lrs do not count), and the best at each place."""
     from types import SimpleNamespace as Arm
 

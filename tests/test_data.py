@@ -639,7 +639,7 @@ def test_full_stdlib_corpus(tmp_path, caplog):
     data = prepare_data(cfg, seq_len=256)
     cold = time.perf_counter() - start
     assert data.vocab_size == 8192 and data.train.dtype == np.uint16
-    # The pinned corpus (docs/results.md and the experiment configs rely on its size).
+    # The pinned corpus (lab/results.md and the experiment configs rely on its size).
     assert len(data.train) > 1_100_000
     assert len(data.eval_sets["val"]) > 30_000
     assert len(data.eval_sets["ood_prose"]) > 60_000

@@ -1,11 +1,11 @@
-"""scripts/estimate_memory.py's command line: each bad value is one line naming the flag the user
+"""scripts/plan/estimate_memory.py's command line: each bad value is one line naming the flag the user
 typed, exit code 2, before anything is built (in process: the refusals come before the estimate);
 and --seq-len follows the model when not given."""
 from __future__ import annotations
 
 import pytest
 
-from scripts import estimate_memory
+from scripts.plan import estimate_memory
 
 PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_small, moe_tiny"
 

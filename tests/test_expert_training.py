@@ -143,7 +143,7 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     metrics = {r["step"]: r for r in read_metrics(tmp_path)}
     dispatches = results[0]["dispatches"]
     from planning.scale_plan import ep_all_to_all_bytes
-    from scripts.bench_comm import model_config
+    from scripts.bench.bench_comm import model_config
 
     # The planner's per-rank average (planning/scale_plan.py): what all ranks send, over the ranks.
     planned = ep_all_to_all_bytes(model_config("moe_tiny", 100), 2 * 32, tp=1, act_bytes=4)

@@ -116,9 +116,9 @@ def test_the_report_is_made_again_from_the_records_alone(study, tmp_path):
 
 
 def test_the_committed_smoke_study_is_made_again_from_its_committed_records(tmp_path):
-    """docs/results/fair_smoke holds a --smoke study's records and the report made from them: the
+    """lab/results/fair_smoke holds a --smoke study's records and the report made from them: the
     tables come back byte for byte on any machine (the statistics sum in a fixed order)."""
-    committed = REPO / "docs" / "results" / "fair_smoke"
+    committed = REPO / "lab" / "results" / "fair_smoke"
     proc = fair("--report", str(committed / "records"), "--out", str(tmp_path / "again"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in REPORTS:

@@ -295,7 +295,7 @@ def test_experiment_configs_pin_the_comparison(experiment, model, experts, optim
 ])
 @pytest.mark.parametrize("optim", ["muon", "adamw"])
 def test_reference_cpu_pins_what_docs_results_states(experiment, model, experts, optim):
-    """docs/results.md quotes these settings, for the dense and the MoE halves alike: 240 steps
+    """lab/results.md quotes these settings, for the dense and the MoE halves alike: 240 steps
     x 2048 tokens, fp32 (training and Newton-Schulz), cosine to 0 after 24 warmup steps, weight
     decay 0.1, and an lr grid that holds both optimizers' best lrs inside it."""
     typed = to_dataclass(compose([f"+experiment={experiment}", f"optim={optim}"]))

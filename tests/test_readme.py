@@ -1,7 +1,7 @@
 """The documentation's commands and links: every train.py command in a ```bash block of README.md
-and docs/*.md composes, every script those blocks name exists, every relative link resolves.
+and docs/*.md (and lab/) composes, every script those blocks name exists, every relative link resolves.
 
-docs/results.md is left out of the command check: its commands are hour-long CPU sweeps
+lab/results.md is left out of the command check: its commands are hour-long CPU sweeps
 (tests/test_multirun.py checks the experiment settings it quotes). Its links are checked.
 
 A command is checked with `--cfg job` added: Hydra composes the config (presets, keys, types)
@@ -21,8 +21,11 @@ from tests.prestarted import run_python
 
 README = REPO / "README.md"
 README_MAX_CHARS = 12_000  # a first-hour page; the reference material lives in docs/
-PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
-COMMAND_PAGES = [p for p in PAGES if p != REPO / "docs" / "results.md"]
+# The lab notebook's pages (lab/) are checked too, but for lab/BENCHMARKS.md, a log of dated
+# measurements.
+PAGES = [README, *sorted((REPO / "docs").glob("*.md")),
+         *sorted(p for p in (REPO / "lab").glob("*.md") if p.name != "BENCHMARKS.md")]
+COMMAND_PAGES = [p for p in PAGES if p != REPO / "lab" / "results.md"]
 
 PYTHON = re.compile(r"^(\S*/)?python(3(\.\d+)*)?$")
 # Hydra's own flags that do not run the app: such a command is run as written.
@@ -241,7 +244,7 @@ def test_relative_links_point_at_files():
 
 
 def test_every_doc_page_links_back_to_the_readme():
-    pages = [p for p in PAGES if p.parent == REPO / "docs" and p.name != "results.md"]
+    pages = [p for p in PAGES if p.parent == REPO / "docs"]
     assert pages, "no docs/*.md pages"
     lost = [p.name for p in pages if "../README.md" not in markdown_links(p)]
     assert not lost, f"docs pages without a link back to README.md: {lost}"

@@ -1,5 +1,5 @@
-"""scripts/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without running
-it: the sweeps are docs/results.md's fp32 commands with bf16 added, at the fp32 protocol's best
+"""scripts/gpu/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without running
+it: the sweeps are lab/results.md's fp32 commands with bf16 added, at the fp32 protocol's best
 lrs and lengths, and records of two invocations never mix. (Its whole run on gpt_tiny on a CPU
 takes about two minutes: the command is in its docstring.)"""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import reference_bf16
+from scripts.gpu import reference_bf16
 
 
 def test_the_sweeps_are_the_reference_protocol_in_bf16():

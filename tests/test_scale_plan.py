@@ -11,7 +11,7 @@ from planning.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all
 from planning.memory_plan import activation_bytes_per_token, planned_memory
 from planning.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
 from model.gpt import GPT
-from scripts.bench_comm import measure, model_config
+from scripts.bench.bench_comm import measure, model_config
 from tests.prestarted import run_python
 from tests.test_model import tiny
 from tests.closeness import approx
@@ -147,7 +147,7 @@ def test_a_missing_hardware_profile_names_the_file_and_the_known_ones(tmp_path):
 
 def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     proc = run_python(
-        ["scripts/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
+        ["scripts/plan/plan_scale.py", "--model", "gpt_124m", "n_layers=4", "--tokens-per-step", "65536",
          "--seq-len", "1024", "--gpus", "8", "64", "--out", str(tmp_path), "--all"],
         timeout=300,
     )
@@ -159,7 +159,7 @@ def test_the_cli_writes_every_row_and_the_overhead_plot(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 5000
     assert "| 64 | muon-ours |" in proc.stdout  # the fastest layout per design
     assert "| 64 | 16 x 4 | adamw-zero1 |" in proc.stdout  # --all: every row
-    bad = run_python(["scripts/plan_scale.py", "dmodel=5", "--out", str(tmp_path)], timeout=120)
+    bad = run_python(["scripts/plan/plan_scale.py", "dmodel=5", "--out", str(tmp_path)], timeout=120)
     assert bad.returncode != 0 and "dmodel=5" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 

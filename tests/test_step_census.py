@@ -12,7 +12,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from optim.builder import build_optimizer
 from optim.config import MuonConfig, OptimConfig
-from scripts.reference_gpt import ReferenceConfig, ReferenceTrainer
+from scripts.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
 from tests.test_checkpoint import make_trainer
 
 CPU = torch.device("cpu")
@@ -109,7 +109,7 @@ def test_bench_train_census_prints_the_counts_per_row():
     from tests.prestarted import run_python
 
     out = run_python(
-        ["scripts/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
+        ["scripts/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
          "--precisions", "fp32", "--optims", "adamw", "muon", "--census", "--rounds", "1", "--warmup", "1",
          "--batch-size", "2", "--seq-len", "32", "--peak-size", "128", "--peak-repeats", "1", "--device", "cpu"],
         timeout=600, check=True,

@@ -44,8 +44,8 @@ def momentum_step(
 def normalise(G: Tensor, out: Tensor, safety: float, eps: float, keep: Tensor) -> None:
     """out[i] <- G[i] / (||G[i]||_F * safety + eps), Newton-Schulz's first step (newton_schulz.py's
     _normalise), as one compiled reduction and one compiled elementwise kernel. Eagerly the
-    division writes fp32 into bf16 through torch's generic casting kernel, which ran at about a
-    third of the memory bandwidth on an H200 (0.37 ms of gpt_124m's Muon step). `keep`: 1.0, or
+    division writes fp32 into bf16 through torch's generic casting kernel, which runs far below
+    the memory bandwidth (lab/BENCHMARKS.md). `keep`: 1.0, or
     0.0 for a skipped step (an infinite denominator: out is zero)."""
     norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     out.copy_(G / ((norm * safety + eps) / keep))
@@ -57,9 +57,9 @@ _COMPILED: dict[tuple[Callable, bool], Callable] = {}
 def compiled(fn: Callable, combo: bool = False) -> Callable:
     """`fn` under torch.compile (built on first use, shapes static). `combo`: with inductor's
     combo kernels, which launch several of the per-tensor kernels of a for-each loop as one (on
-    a GPU; the CPU's C++ kernels are not combined). Its aim: the launch gaps between the 2 x 84
-    small kernels of gpt_124m's compiled Muon step (0.7 ms of 6.0 on an H200). Off by default
-    until a GPU run measures it (scripts/bench_optimizer.py's combo variant)."""
+    a GPU; the CPU's C++ kernels are not combined). Its aim: the launch gaps between the many
+    small kernels of a compiled Muon step, one pair per matrix. Off by default
+    until a GPU run measures it (scripts/bench/bench_optimizer.py's combo variant)."""
     key = (fn, combo)
     if key not in _COMPILED:
         config = torch._dynamo.config

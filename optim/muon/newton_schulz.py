@@ -231,11 +231,9 @@ def _newton_schulz_eager(
 
 # On CPU a batched GEMM streams the whole batch through memory once per operand, so a batch
 # larger than the caches turns the small elementwise parts of each step (the beta * C of
-# baddbmm, the normalisation, the optimizer's momentum and update) into DRAM traffic.
-# Measured on 2 Zen 5 cores (1 MB L2 each, 32 MB L3), full Muon steps on gpt_small's 384 x 384
-# and 384 x 1024 matrices in bf16: runs with a working set of 5-8 MB were fastest, ~10%
-# faster than one batch per shape (18-24 matrices) and ~5% faster than one matrix at a time.
-# GPUs get no limit: there, fewer and larger kernels win. None: no limit on CPU either.
+# baddbmm, the normalisation, the optimizer's momentum and update) into DRAM traffic. Runs of
+# a few MB beat both one batch per shape and one matrix at a time (lab/BENCHMARKS.md, "CPU
+# working set"). GPUs get no limit: there, fewer and larger kernels win. None: no limit on CPU either.
 CPU_WORKING_SET_BYTES: int | None = 6 << 20
 # Below this many rows per block the symmetric block products cost more than they save.
 _SYMMETRIC_BLOCK_ROWS = 64
@@ -265,7 +263,7 @@ class _Workspace:
 
 # CPU scratch buffers are kept between calls (per thread, the 32 most recently used; each at
 # most a few MB when batch_chunk bounds the batch): freshly allocated multi-MB buffers come
-# back from the OS as new pages, and those page faults measured ~15% of an optimizer step.
+# back from the OS as new pages, whose page faults are a visible share of an optimizer step.
 # GPUs have a caching allocator instead; GPU buffers are kept only when asked (`persistent`).
 _CPU_BUFFERS = threading.local()
 _CPU_BUFFERS_KEPT = 32
@@ -313,10 +311,9 @@ def _symmetric_blocks(m: int, dtype: torch.dtype, device: torch.device) -> list[
 
     A = X X^T and B = b A + c A A are symmetric, so block row i only needs the columns from
     block i on; the rest is mirrored. With k blocks that is (k + 1) / 2k of the FLOPs of the
-    full products. Kept only where it measured faster: fp32 / fp64 on CPU, where it cut the
-    whole iteration's time by 15-18% for m = 384 (k = 6). bf16 on CPU got 5-15% slower (the
-    oneDNN bf16 GEMM loses more efficiency on the thinner blocks than the FLOPs save), and on
-    GPUs one large GEMM beats many small ones.
+    full products. Kept only where it measured faster (lab/BENCHMARKS.md, "symmetric blocks"):
+    fp32 / fp64 on CPU. bf16 on CPU got slower (the oneDNN bf16 GEMM loses more efficiency on
+    the thinner blocks than the FLOPs save), and on GPUs one large GEMM beats many small ones.
     """
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.float64):
         return None
@@ -350,11 +347,10 @@ def _iterate(
     The last step writes into `final` when given. Returns the result.
 
     a X stays the C term of the last baddbmm, added in the GEMM's fp32 accumulator. baddbmm
-    first copies its C term into its output (profiled on an H200: those copies, of X and of A,
-    took 0.65 ms of gpt_124m's 6.0 ms Muon step). Folding a into B's diagonal instead
-    (X' = (B + a I) X, as Gram's Z does) would save the copy of X, but rounds a + B_ii to bf16:
-    measured 1.5x (classic) to 4x (Polar Express) the bf16 error against fp64 on 128 x 512
-    and 256 x 256 matrices, so it is not done.
+    first copies its C term into its output, a pass over X and A per step. Folding a into B's
+    diagonal instead (X' = (B + a I) X, as Gram's Z does) would save the copy of X, but rounds
+    a + B_ii to bf16, which measured several times the bf16 error against fp64
+    (lab/BENCHMARKS.md, "folding a into B"), so it is not done.
     """
     bsz = X.shape[0]
     A, B, Y = work.a[:bsz], work.b[:bsz], work.y[:bsz]

@@ -1,9 +1,9 @@
 """optim.muon.ns_method=auto: Gram or standard Newton-Schulz per matrix shape, by measured time.
 
 Gram Newton-Schulz does fewer multiply-adds than the standard iteration on non-square matrices
-(ns_method.gram_pays), but fewer multiply-adds is not always less time: on an H200, runs
-timed it between 0.81x and 1.24x the standard iteration's speed on moe_1b's two 1024 x 4096
-matrices, where the count promises 1.5x. So "auto" times both on the running device, once per run at start-up: for each
+(ns_method.gram_pays), but fewer multiply-adds is not always less time: on a GPU it timed
+well below what the count promises, and on either side of the standard iteration
+(lab/BENCHMARKS.md, "Gram against standard"). So "auto" times both on the running device, once per run at start-up: for each
 shape Muon will orthogonalise, a stack of that shape in the run's dtype and settings, a warm-up
 and a few timed calls per method in alternating rounds (synchronising on CUDA), and keeps the
 faster. Under optim.muon.cuda_graphs the whole-matrix calls are timed as CUDA graph replays, as
@@ -49,9 +49,8 @@ Timer = Callable[[NSShape, str], float]
 # error (docs/muon_family.md), and a few repeats at start-up carry a few percent of noise.
 GRAM_MIN_SPEEDUP = 1.03
 # Matrices per timed stack. A GPU runs a small stack far below the speed of the real one, and
-# not alike for both methods (Gram launches more, smaller GEMMs): on an H200, 16 of moe_1b's
-# 1792 512 x 1024 matrices timed Gram at 0.85x standard's speed, the whole stack at 1.26x. So a
-# GPU times the model's count of the shape, up to MEASURE_BYTES of input (the per-rank stacks
+# not alike for both methods (Gram launches more, smaller GEMMs): a small stack can rank the
+# methods the other way round from the whole one (lab/BENCHMARKS.md). So a GPU times the model's count of the shape, up to MEASURE_BYTES of input (the per-rank stacks
 # of a ZeRO run are smaller still). A CPU, which runs any stack in cache-sized pieces
 # (newton_schulz.batch_chunk), times MEASURE_BATCH_CPU: each call costs up to a second there.
 MEASURE_BYTES = 1 << 30

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # The run's tokenizer, saved into its run dir so that export and sampling work from anywhere.
 RUN_TOKENIZER_DIR = "tokenizer"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GIT_TIMEOUT_S = 10
 
 

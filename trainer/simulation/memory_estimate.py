@@ -14,7 +14,7 @@ that state where a later step has it (through the forward and backward, and in t
 step from its start: each state tensor's making is known), which is exact where a second
 step would cost a third more.
 
-What it reports, per rank (bytes; scripts/estimate_memory.py prints them):
+What it reports, per rank (bytes; scripts/plan/estimate_memory.py prints them):
   params           the rank's fp32 parameters (FSDP2: its shards)
   grads            its fp32 gradients once the backward is done (FSDP2: the sharded ones), and
                    under ZeRO-1 the optimizer's flat buffers (where planning/memory_plan.py counts them)
@@ -72,7 +72,7 @@ trainer/simulation/gpu_stand_ins.py):
   as "Activation" (the tracker sees the unit's forward hook in the backward).
 - Process groups and the swapped settings above are global state: one estimate at a time in a
   process. Each call makes its own fake group and destroys it at the end, so calls may follow
-  one another; scripts/estimate_memory.py runs one per process.
+  one another; scripts/plan/estimate_memory.py runs one per process.
 - Cost: 4-16 s of CPU an estimate for gpt_1b to moe_16b (2-core machine), about a quarter of
   it building the model, the rest the fake dispatch and the tracker, op by op.
 """

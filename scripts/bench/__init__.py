@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table to paste into lab/BENCHMARKS.md, with its command, machine and date."""
