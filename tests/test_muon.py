@@ -15,6 +15,7 @@ from optim.muon.optimizer import Muon
 from tests.closeness import assert_close, check
 
 NS = importlib.import_module("optim.muon.newton_schulz")
+BUFFERS = importlib.import_module("optim.muon.buffers")
 
 # The last two take the fp32 symmetric-block path on CPU (min side >= 128).
 SHAPES_2D = [(64, 32), (32, 64), (48, 48), (96, 40), (160, 128), (128, 192)]
@@ -128,7 +129,7 @@ def _count_ns_calls(monkeypatch):
 def test_one_batched_newton_schulz_call_per_shape(monkeypatch):
     """Same (rows, cols) and Newton-Schulz settings: one stack, across params and groups
     (with different lr / weight decay), and the result equals per-parameter optimizers."""
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)  # CPU runs off: one call per shape
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", None)  # CPU runs off: one call per shape
     calls = _count_ns_calls(monkeypatch)
     shapes = [(48, 80), (80, 48), (48, 80), (96, 40), (80, 48), (48, 80), (2, 48, 80)]
     together, alone = _params(shapes), _params(shapes)
@@ -155,11 +156,11 @@ def test_cpu_runs_equal_one_stack(monkeypatch):
     shapes = [(48, 80)] * 5 + [(80, 48)] * 3
     runs, whole = _params(shapes), _params(shapes)
     grads = _grads(runs, steps=2)
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # one matrix per run
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", 1)  # one matrix per run
     calls = _count_ns_calls(monkeypatch)
     _run(Muon(runs, lr=0.02, ns_dtype="fp32"), runs, grads)
     assert len(calls) == 2 * 8 and all(c[0] == 1 for c in calls)
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", None)
     _run(Muon(whole, lr=0.02, ns_dtype="fp32"), whole, grads)
     for a, b in zip(runs, whole):
         assert_close(a, b, rtol=0, atol=1e-7)
@@ -343,7 +344,7 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype, combo):
     With bf16 Newton-Schulz the fused update reads the last iterate in bf16, where the eager
     path casts it into the fp32 stack first: the same values. Combo kernels (on a GPU, several
     kernels a launch) change the launches, not the values."""
-    from optim.muon.newton_schulz import _CPU_BUFFERS, release_buffers
+    from optim.muon.buffers import _CPU_BUFFERS, release_buffers
 
     release_buffers()
     shapes = [(48, 80), (80, 48), (3, 16, 24), (48, 80)]

@@ -23,6 +23,7 @@ from tests.closeness import approx, assert_close, check
 
 # The module itself (optim/__init__ keeps `optim.muon.newton_schulz` free of re-exports, but be safe).
 NS = importlib.import_module("optim.muon.newton_schulz")
+BUFFERS = importlib.import_module("optim.muon.buffers")
 
 # Square, wide, tall, batched 3-D. Square Gaussian matrices have sigma_min / ||G||_F ~ n^-1.5,
 # far below what 5 steps can lift, so every test matrix gets a controlled spectrum: singular
@@ -157,10 +158,10 @@ def test_symmetric_block_products_equal_full_products(shape, monkeypatch):
     held on an AVX2 CPU and failed on an AVX-512 one, where the full products' own fp32 error
     is 1.7e-6. A wrong or unmirrored block is off by ~0.1."""
     G = torch.randn(shape, generator=torch.Generator().manual_seed(6))
-    assert NS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is not None
+    assert BUFFERS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is not None
     blocked = newton_schulz(G, 5, "polar_express", torch.float32)
-    monkeypatch.setattr(NS, "_SYMMETRIC_BLOCK_ROWS", 10**9)
-    assert NS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is None
+    monkeypatch.setattr(BUFFERS, "_SYMMETRIC_BLOCK_ROWS", 10**9)
+    assert BUFFERS._symmetric_blocks(136, torch.float32, torch.device("cpu")) is None
     full = newton_schulz(G, 5, "polar_express", torch.float32)
     exact = newton_schulz(G.double(), 5, "polar_express", torch.float64)  # full products too
     fp32_error = (full.double() - exact).abs().max().item()
@@ -174,24 +175,24 @@ def test_symmetric_block_products_equal_full_products(shape, monkeypatch):
 def test_cpu_runs_equal_one_batch(dtype, monkeypatch):
     """On CPU the batch is processed in cache-sized runs; that must not change the result."""
     G = torch.randn(7, 40, 72, generator=torch.Generator().manual_seed(7))
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", None)
-    assert NS.batch_chunk(40, 72, dtype, "cpu") is None
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", None)
+    assert BUFFERS.batch_chunk(40, 72, dtype, "cpu") is None
     whole = newton_schulz(G, 5, "classic", dtype)
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # runs of one matrix
-    assert NS.batch_chunk(40, 72, dtype, "cpu") == 1
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", 1)  # runs of one matrix
+    assert BUFFERS.batch_chunk(40, 72, dtype, "cpu") == 1
     runs = newton_schulz(G, 5, "classic", dtype)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert_close(runs, whole, rtol=0, atol=tol)
 
 
 def test_batch_chunk_has_no_limit_off_cpu():
-    assert NS.batch_chunk(384, 1024, torch.bfloat16, "meta") is None
-    assert NS.batch_chunk(384, 1024, torch.bfloat16, "cpu") >= 1
+    assert BUFFERS.batch_chunk(384, 1024, torch.bfloat16, "meta") is None
+    assert BUFFERS.batch_chunk(384, 1024, torch.bfloat16, "cpu") >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_out_may_be_the_input(dtype, monkeypatch):
-    monkeypatch.setattr(NS, "CPU_WORKING_SET_BYTES", 1)  # several runs through the same buffer
+    monkeypatch.setattr(BUFFERS, "CPU_WORKING_SET_BYTES", 1)  # several runs through the same buffer
     G = torch.randn(4, 72, 40, generator=torch.Generator().manual_seed(8))
     expected = newton_schulz(G, 5, "classic", dtype)
     inplace = G.clone()
@@ -407,13 +408,13 @@ def test_the_end_of_a_job_releases_the_graphs_and_the_kept_buffers(emulated_grap
             p.grad = torch.randn_like(p)
         opt.step()
     assert ns_graphs._CACHE.recorded == 1 and len(ns_graphs._CACHE.graphs) == 1
-    kept = list(NS._CPU_BUFFERS.cache.values())
+    kept = list(BUFFERS._CPU_BUFFERS.cache.values())
     assert any(b.shape == (3, 16, 24) for b in kept)  # the Muon stack the graph runs on
     alive = [weakref.ref(b) for b in kept]
     del kept
     launch.end_job(None, True, tf32_flags())
     assert not ns_graphs._CACHE.graphs and not ns_graphs._CACHE.seen and ns_graphs._CACHE.recorded == 0
-    assert not NS._CPU_BUFFERS.cache
+    assert not BUFFERS._CPU_BUFFERS.cache
     assert [r() for r in alive] == [None] * len(alive)
 
 

@@ -52,7 +52,7 @@ GRAM_MIN_SPEEDUP = 1.03
 # not alike for both methods (Gram launches more, smaller GEMMs): a small stack can rank the
 # methods the other way round from the whole one (lab/BENCHMARKS.md). So a GPU times the model's count of the shape, up to MEASURE_BYTES of input (the per-rank stacks
 # of a ZeRO run are smaller still). A CPU, which runs any stack in cache-sized pieces
-# (newton_schulz.batch_chunk), times MEASURE_BATCH_CPU: each call costs up to a second there.
+# (buffers.batch_chunk), times MEASURE_BATCH_CPU: each call costs up to a second there.
 MEASURE_BYTES = 1 << 30
 MEASURE_BATCH_CPU = 4
 # Per method and shape: untimed calls first, then ROUNDS rounds that alternate standard and

@@ -105,7 +105,7 @@ def clear() -> None:
     """Drop this thread's graphs and restart its count of recorded ones; graphs recorded from
     then on share a new memory pool. The old pool's memory goes back to the caching allocator
     once no graph holds it (torch.cuda.empty_cache returns it to the device). The end of every
-    job of a sweep calls it (through newton_schulz.release_buffers), and so does the
+    job of a sweep calls it (through buffers.release_buffers), and so does the
     Newton-Schulz timing of ns_method=auto for the graphs it recorded."""
     _CACHE.graphs.clear()
     _CACHE.seen.clear()

@@ -19,7 +19,7 @@ orthogonalised on its own and scaled with (h, C).
 Batching: in one step() every matrix with the same shape (rows, cols), dtype, device and
 Newton-Schulz settings is stacked, across parameters and param groups, into one
 [N, rows, cols] tensor and orthogonalised by a single batched newton_schulz call (on CPU:
-one call per cache-sized run of matrices, see newton_schulz.batch_chunk). Each matrix is
+one call per cache-sized run of matrices, see buffers.batch_chunk). Each matrix is
 normalised on its own, so this equals per-matrix processing.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from parallel.comm import all_gather_into, group_rank, group_size
-from optim.muon.newton_schulz import batch_chunk, newton_schulz, reusable_buffer
+from optim.muon.buffers import batch_chunk, reusable_buffer
+from optim.muon.newton_schulz import newton_schulz
 from optim.muon.options import MuonOptions, check_group, matrix_layout, ns_by_shape_problem
 from optim.muon.ns_method import NSShape, iteration_for
 from optim.muon import normuon

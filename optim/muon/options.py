@@ -68,7 +68,7 @@ class MuonOptions:
     cuda_graphs: on CUDA, replay each stack's Newton-Schulz as a recorded CUDA graph (one launch
         instead of dozens, optim/muon/ns_graphs.py). It costs memory: each stack's buffer is kept
         between steps, and the graphs hold one memory pool for the iterations' scratch buffers.
-        Both are released at the end of each job (newton_schulz.release_buffers).
+        Both are released at the end of each job (buffers.release_buffers).
     combo_kernels: with compile_updates, those kernels launched as inductor combo kernels
         (several per launch); off until measured on a GPU (fused.compiled).
     """

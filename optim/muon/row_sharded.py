@@ -37,7 +37,8 @@ from torch import Tensor
 
 from optim.muon import normuon
 from optim.muon.options import MuonOptions, check_group, decay_and_update, parse_ns_dtype
-from optim.muon.newton_schulz import momentum_update, muon_scale, newton_schulz, reusable_buffer
+from optim.muon.buffers import reusable_buffer
+from optim.muon.newton_schulz import momentum_update, muon_scale, newton_schulz
 from optim.muon.ns_method import NSShape, iteration_for
 from optim.muon.newton_schulz_tp import newton_schulz_sharded
 from optim.zero_plan import ParamSpec, build_plan

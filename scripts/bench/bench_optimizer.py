@@ -49,6 +49,7 @@ from scripts.bench.bench_common import (
 )
 
 ns_module = importlib.import_module("optim.muon.newton_schulz")
+ns_buffers = importlib.import_module("optim.muon.buffers")
 
 MODELS = {
     "gpt_small": dict(n_layers=6, d_model=384, n_heads=6, head_dim=64, n_kv_heads=6, ffn_hidden=1024),
@@ -105,11 +106,11 @@ class OneStackPerShape(Muon):
     """Our Muon without the CPU cache-sized runs: one stack and one call per shape."""
 
     def step(self, closure=None):  # type: ignore[override]
-        saved, ns_module.CPU_WORKING_SET_BYTES = ns_module.CPU_WORKING_SET_BYTES, None
+        saved, ns_buffers.CPU_WORKING_SET_BYTES = ns_buffers.CPU_WORKING_SET_BYTES, None
         try:
             return super().step(closure)
         finally:
-            ns_module.CPU_WORKING_SET_BYTES = saved
+            ns_buffers.CPU_WORKING_SET_BYTES = saved
 
 
 class PerMatrix:

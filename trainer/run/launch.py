@@ -23,7 +23,7 @@ from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from optim.muon.newton_schulz import release_buffers
+from optim.muon.buffers import release_buffers
 from trainer.config import TrainConfig
 from trainer.run.preflight import read_command_line
 from trainer.device import TF32Flags, seed_everything, set_tf32, tf32_flags

@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorConverter, FakeTensorMode
 
 from model.moe import MoE
-from optim.muon import newton_schulz
+from optim.muon import buffers
 
 
 # ---- FakeTensorMode that module.to / to_empty can work under ----
@@ -88,17 +88,17 @@ def gpu_kernels() -> Iterator[None]:
 
 @contextlib.contextmanager
 def gpu_newton_schulz() -> Iterator[None]:
-    """Newton-Schulz's scratch memory as on a GPU, by optim/muon/newton_schulz.py's two CPU settings:
+    """Newton-Schulz's scratch memory as on a GPU, by optim/muon/buffers.py's two CPU settings:
     whole batches of matrices at once (the CPU cuts them into cache-sized runs,
     CPU_WORKING_SET_BYTES), and scratch buffers freed when done (the CPU keeps the most recent
     ones for the next call, _CPU_BUFFERS_KEPT)."""
-    kept = newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT
-    newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT = None, 0
+    kept = buffers.CPU_WORKING_SET_BYTES, buffers._CPU_BUFFERS_KEPT
+    buffers.CPU_WORKING_SET_BYTES, buffers._CPU_BUFFERS_KEPT = None, 0
     try:
         yield
     finally:
-        newton_schulz.CPU_WORKING_SET_BYTES, newton_schulz._CPU_BUFFERS_KEPT = kept
-        newton_schulz.release_buffers()
+        buffers.CPU_WORKING_SET_BYTES, buffers._CPU_BUFFERS_KEPT = kept
+        buffers.release_buffers()
 
 
 class BalancedRouting:
