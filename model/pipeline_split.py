@@ -9,6 +9,10 @@ under their own index (`blocks.3.attn.wq.weight` at every pp), the embedding onl
 first stage is, the final norm and head only where the last is. Checkpoints, the routing of
 parameters to Muon or AdamW and the metrics therefore name the same parameters at every
 layout. Each stage is a `StageModule` over that GPT's modules: what torch's PipelineStage runs.
+
+Pipeline parallelism's other pieces: parallel/pipeline.py (the stages and schedules over the pp
+group); trainer/pipeline.py (the trainer's side: checks, the loss, the runs);
+planning/pipeline_plan.py (what a schedule costs: bubble, memory, bytes).
 """
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ A rank holds `stages_per_rank` stages. Single-stage schedules (gpipe, 1f1b) plac
 rank s. The looped ones (interleaved_1f1b, interleaved_zero_bubble) place stage s on rank
 s mod pp, and the V schedule (zbv) places rank r's two stages at r and 2 pp - 1 - r, so the
 first and last stage share rank 0.
+
+Pipeline parallelism's other pieces: model/pipeline_split.py (the GPT cut into stages);
+trainer/pipeline.py (the trainer's side: checks, the loss, the runs); planning/pipeline_plan.py
+(what a schedule costs: bubble, memory, bytes).
 """
 from __future__ import annotations
 

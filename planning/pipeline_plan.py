@@ -15,6 +15,10 @@ through one rank's layers takes time t; the ideal step (no pipeline idling) is m
   halves and the weight halves fill the idle slots. With forward, input-gradient and
   weight-gradient work of equal length (t / 3 each), the schedule idles a third of the
   interleaved 1F1B bubble (Qi et al. 2023, ZB-H1: (p - 1)(T_F + T_B - T_W)).
+
+Pipeline parallelism's other pieces: parallel/pipeline.py (the stages and schedules over the pp
+group); model/pipeline_split.py (the GPT cut into stages); trainer/pipeline.py (the trainer's
+side: checks, the loss, the runs).
 """
 from __future__ import annotations
 

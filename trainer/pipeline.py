@@ -7,6 +7,10 @@ Every rank of a pipeline (the mesh's pp group) loads the same batch: the first s
 tokens, the last its targets. The loss lives on the last stage; each training step sums it over
 the pp group (one scalar), so every rank holds the step's loss and the rest of the loop (the
 loss window, the skip decision) runs unchanged.
+
+Pipeline parallelism's other pieces: parallel/pipeline.py (the stages and schedules over the pp
+group); model/pipeline_split.py (the GPT cut into stages); planning/pipeline_plan.py (what a
+schedule costs: bubble, memory, bytes).
 """
 from __future__ import annotations
 
