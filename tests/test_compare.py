@@ -418,7 +418,7 @@ def test_a_legend_per_panel_for_a_few_arms_and_one_below_the_figure_for_many(n_a
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from scripts.compare_runs import add_legend
+    from scripts.compare_plots import add_legend
 
     fig, axes = plt.subplots(1, 2)
     for ax in axes:
@@ -520,7 +520,7 @@ def test_curves_with_few_points_are_drawn_with_markers(n_points, marker):
 
     from eval.compare import Run
     from eval.seeds import Arm
-    from scripts.compare_runs import plot_curve
+    from scripts.compare_plots import plot_curve
 
     steps = list(range(10, 10 * (n_points + 1), 10))
     run = Run(Path("r"), "muon", 1e-3, {"val/val/loss": (steps, [1.0 / s for s in steps])})
@@ -659,7 +659,7 @@ def test_the_output_rms_profile_is_each_arms_last_logged_value_by_layer(tmp_path
     import matplotlib.pyplot as plt
 
     from eval.seeds import group_arms
-    from scripts.compare_runs import depth_profiles, draw_output_rms
+    from scripts.compare_profiles import depth_profiles, draw_output_rms
 
     write_output_rms_runs(tmp_path)
     arms = group_arms([load_run(p) for p in find_runs(tmp_path)])
