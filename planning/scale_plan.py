@@ -80,7 +80,7 @@ def fsdp_dp_bytes(params: list[Local], n: int, micro_batches: int = 1, param_byt
 
 
 def muon_exchange_bytes_per_rank(params: list[Local], n: int, ns_bytes: int = 2) -> float:
-    """ShardedMuon's two all-to-alls, per rank on average (optim/sharded_muon.exchange_bytes
+    """ShardedMuon's two all-to-alls, per rank on average (optim/muon/row_sharded.exchange_bytes
     over the group, divided by n): each 2-D matrix once to its owner in fp32, once back in the
     Newton-Schulz dtype. Expert stacks stay where they are."""
     if n == 1:
