@@ -310,17 +310,17 @@ def _step_run(
     # the eager update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
     # With CUDA graphs the stack stays at one address from step to step, so that its
     # recorded Newton-Schulz (which reads and writes it in place) can be replayed.
-    stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device, persistent=work.graphs)
+    compiled, graphs = work.options.compile_updates, work.options.cuda_graphs
+    stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device, persistent=graphs)
     work.momentum_into(items, stack)
     # The fused update of compile_updates reads a bf16 O in the same kernel as an fp32 one, so
     # there the last iterate stays in the Newton-Schulz dtype: its last GEMM writes it once,
     # instead of into a temporary then cast into the stack (a pass over the whole stack), and
-    # the update reads half the bytes. The same values:
-    # a bf16 O widens to fp32 exactly.
+    # the update reads half the bytes. The same values: a bf16 O widens to fp32 exactly.
     out = stack
-    if work.compiled and ns.dtype != dtype:
-        out = reusable_buffer("muon.ortho", total, rows, cols, ns.dtype, device, persistent=work.graphs)
+    if compiled and ns.dtype != dtype:
+        out = reusable_buffer("muon.ortho", total, rows, cols, ns.dtype, device, persistent=graphs)
     ortho = newton_schulz(stack, ns.steps, ns.coefficients, ns.dtype, ns.eps, out=out, keep=work.keep,
-                          graph=work.graphs, iteration=ns.iteration, fused_normalise=work.compiled and not work.graphs)
+                          graph=graphs, iteration=ns.iteration, fused_normalise=compiled and not graphs)
     _normuon(items, ortho, beta2, rows, cols, work)
     work.apply_updates(items, ortho, rows, cols)

@@ -70,15 +70,12 @@ def by_setting(items: list[StackItem], setting: Callable[[StackItem], tuple]) ->
 class StackWork:
     """Muon's elementwise work in one step: the momentum step into the Newton-Schulz stack,
     and the weight decay and update after it. Eager for-each ops (a few launches per stack
-    whatever its size), or with `compiled` (optim/muon/fused.py) fused kernels that stream
+    whatever its size), or with options.compile_updates (optim/muon/fused.py) fused kernels that stream
     each matrix through memory once per phase. Either honours the step's gate."""
 
     def __init__(self, gate: StepGate | None, options: MuonOptions) -> None:
         self.gate = gate
         self.options = options
-        self.compiled = options.compile_updates
-        self.graphs = options.cuda_graphs  # Newton-Schulz through CUDA graphs
-        self.combo = options.combo_kernels  # the compiled kernels launched as combo kernels (fused.compiled)
 
     @property
     def keep(self) -> Tensor | None:
@@ -97,10 +94,10 @@ class StackWork:
         holds momentum * buf, which Newton-Schulz's gate turns into a zero update.
         """
         outs = stack_views(items, stack)
-        if self.compiled:
+        if self.options.compile_updates:
             keep = self._keep_on(stack.device)
             for (mu, nesterov), idx in by_setting(items, momentum_setting).items():
-                muon_fused.compiled(muon_fused.momentum_step, self.combo)(
+                muon_fused.compiled(muon_fused.momentum_step, self.options.combo_kernels)(
                     [items[i].buf for i in idx], [items[i].grad for i in idx], [outs[i] for i in idx],
                     mu, nesterov, keep,
                 )
