@@ -488,6 +488,12 @@ def trial_overrides(space: Space, values: Mapping[str, float]) -> list[str]:
     return out
 
 
+def held_overrides(dim: Dim) -> list[str]:
+    """The train.py overrides that hold `dim` at its init: a dim a study does not tune
+    (tuning.dims) joins the side's fixed overrides with the value it would have started from."""
+    return [f"{_prefix(key)}{key}={format_value(dim, dim.init)}" for key in dim.keys]
+
+
 def space_dict(space: Space) -> dict[str, Any]:
     """The space as plain data (plan.json): what the report and an audit read."""
     return {"optimizer": space.optimizer, "fixed": list(space.fixed),

@@ -22,7 +22,7 @@ design56 §8 has the reasoning, and tests/test_speedup.py the checks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -279,6 +279,8 @@ class Comparison:
     censored_share: the share of replicates below ("<") and above (">") the budgets run.
     paired: whether the seeds were resampled jointly for both sides (same seed ids).
     correction: the small-sample correction of the seed resampling (see _seed_expansion).
+    draws: the replicates' ratios, ascending, a censored one at its bound: what a fit across
+        studies resamples (scripts/fair_ladder.py); not part of the JSON.
     """
     split: str
     ratio: Ratio
@@ -290,6 +292,7 @@ class Comparison:
     seed: int
     paired: bool
     correction: str
+    draws: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     def to_dict(self) -> dict:
         """Plain JSON data (no numpy types, no inf: a censored value is its bound with its
@@ -451,7 +454,8 @@ def compare(target: Side, base: Side, replicates: int, seed: int, thresholds: Se
         at_most = sum(1 for v in values if v <= s0 or (v == math.inf and s0 >= upper))
         p[s0] = (1 + at_most) / (replicates + 1)
     share = (sum(1 for v in values if v == 0.0) / replicates, sum(1 for v in values if v == math.inf) / replicates)
-    return Comparison(split, point, lo, hi, p, share, replicates, int(seed), paired, correction)
+    draws = tuple(min(max(v, lower), upper) for v in values)
+    return Comparison(split, point, lo, hi, p, share, replicates, int(seed), paired, correction, draws)
 
 
 def compare_splits(targets: Mapping[str, Side], bases: Mapping[str, Side], replicates: int, seed: int,

@@ -307,8 +307,11 @@ class GPT(nn.Module):
         self.output_sq_sum.zero_()
         return rms
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters in all; non_embedding leaves out the token embedding and the LM head,
+        whose size follows the vocabulary rather than the model (the x-axis of a scaling fit)."""
+        skip = (self.embed.weight, self.head.weight) if non_embedding else ()
+        return sum(p.numel() for p in self.parameters() if not any(p is q for q in skip))
 
     def new_cache(self, max_len: Optional[int] = None) -> KVCache:
         """An empty KV cache for up to `max_len` positions (default: model.max_seq_len)."""

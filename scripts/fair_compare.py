@@ -4,6 +4,7 @@
     python scripts/fair_compare.py --out outputs/fair/small       # the study (run again: it resumes)
     python scripts/fair_compare.py --smoke --out /tmp/smoke       # the whole machinery on gpt_tiny, minutes
     python scripts/fair_compare.py --report outputs/fair/small    # the report again, from records/ alone
+    python scripts/fair_compare.py --report lab/results/fair --page lab/results.md   # a ladder of studies
     python scripts/fair_compare.py model=moe_small tuning.trials=64 hydra/launcher=slurm
 
 1. tune: both optimizers by coordinate descent (conf/tuning/<side>.yaml, the same families and
@@ -51,15 +52,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="the study dir (default outputs/fair/<date-time>)")
     parser.add_argument("--smoke", action="store_true", help="conf/study/smoke.yaml: gpt_tiny, a few steps a run")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its time here; run nothing")
-    parser.add_argument("--report", type=Path, metavar="STUDY", help="make STUDY's report again from its records")
+    parser.add_argument("--report", type=Path, metavar="STUDY", help="make STUDY's report again from its records "
+                        "(a dir of studies: every report, and the ladder across them: scripts/fair_ladder.py)")
+    parser.add_argument("--page", type=Path, action="append", default=[], metavar="FILE",
+                        help="with --report on a ladder: rewrite FILE's ladder block with its headline table")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.page and args.report is None:
+        refuse("--page needs --report DIR, DIR a dir of studies")
     if args.report is not None:
-        return report(args.report, args.out)
+        return report(args.report, args.out, args.page)
     name = "smoke" if args.smoke else "fair"
     study_overrides, train_overrides = route(args.overrides)
     launch = [o for o in train_overrides if o.lstrip("+~").startswith("hydra")]
@@ -124,10 +130,22 @@ def run_train_py(argv: list[str]) -> int:
     return 0
 
 
-def report(study: Path, out: Path | None) -> int:
+def report(study: Path, out: Path | None, pages: list[Path] = ()) -> int:
     from eval.fair_records import REPORT, StudyError, load_study
+    from scripts.fair_ladder import is_ladder, write_ladder
     from scripts.fair_report import write_report
 
+    if is_ladder(study):
+        if out is not None:
+            refuse(f"--out: a ladder's reports go beside their records, under {study}")
+        try:
+            lines = write_ladder(study, list(pages))
+        except (StudyError, FileNotFoundError) as err:
+            refuse(str(err))
+        print("\n".join(lines))
+        return 0
+    if pages:
+        refuse(f"--page: {study} is one study, not a dir of studies; only a ladder has a block to write")
     try:
         data = load_study(study)
     except (StudyError, FileNotFoundError) as err:

@@ -13,6 +13,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from scripts import REPO
@@ -215,6 +216,62 @@ def parsed_spaces(study: dict) -> dict:
     return spaces
 
 
+def start_from(study: dict) -> list[str]:
+    """tuning.start_from: each side's dims start at the 1x choice of that earlier study (the rung
+    below, on a ladder of sizes), their grids the same shape around it. Changes study["spaces"]
+    in place; returns the plan's notes. The plan then holds the moved inits, so it reads alone."""
+    from eval.fair_records import StudyError, read_index, records_dir
+    from eval.search_space import SPACE_FIELDS
+
+    source = study["tuning"].get("start_from")
+    if not source:
+        return []
+    try:
+        entries = read_index(records_dir(Path(source)))
+    except StudyError as err:
+        raise PlanError(f"tuning.start_from={source}: {err}") from err
+    for side in (study["target"], study["baseline"]):
+        chosen = next((e.values for e in entries if e.stage == "final" and e.side == side and e.budget == 1.0), None)
+        if chosen is None:
+            raise PlanError(f"tuning.start_from={source}: no final run of {side} at 1x there (a study's 1x choice "
+                            "is recorded once its tuning is done)")
+        for name, node in study["spaces"][side].items():
+            if name in SPACE_FIELDS or name not in chosen:
+                continue
+            if not isinstance(node, dict) or "step" not in node:
+                raise PlanError(f"spaces.{side}.{name}: tuning.start_from moves a grid of init, step and points "
+                                "only (this one is a list or a range)")
+            node["init"] = chosen[name]
+    return [f"each side starts at the 1x choice of {source} (tuning.start_from)"]
+
+
+def hold_dims(study: dict, spaces: dict) -> tuple[dict, list[str]]:
+    """tuning.dims: the dims both sides tune; every other dim is held at its init, as fixed
+    overrides. Returns the spaces' config nodes so reduced, and the plan's notes."""
+    from eval.search_space import held_overrides
+
+    names = study["tuning"].get("dims")
+    nodes = {side: study["spaces"][side] for side in spaces}
+    if names is None:
+        return nodes, []
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise PlanError(f"tuning.dims must be a non-empty list of dimension names, got {names!r}")
+    for name in names:
+        missing = [side for side, space in spaces.items() if name not in space.names]
+        if missing:
+            raise PlanError(f"tuning.dims: {name} is not a dimension of {', '.join(missing)}; "
+                            "a study tunes the same dimensions on both sides")
+    held_names = []
+    for side, space in spaces.items():
+        held = [d for d in space.dims if d.name not in names]
+        node = {k: v for k, v in nodes[side].items() if k not in {d.name for d in held}}
+        node["fixed"] = [*space.fixed, *(o for d in held for o in held_overrides(d))]
+        nodes[side] = node
+        held_names = [d.name for d in held]
+    note = f"tuned: {', '.join(names)}; held at their init: {', '.join(held_names) or 'none'} (tuning.dims)"
+    return nodes, [note]
+
+
 def run_overrides(study_train: list[str], side_overrides: list[str], fraction: float, steps: int, seed: int,
                   objective: Optional[str] = None, eval_interval: int = 0) -> list[str]:
     """The train.py overrides of one run of the study, the base's first."""
@@ -271,10 +328,15 @@ def build_plan(name: str, study: dict, command_train: list[str]) -> Plan:
     """The checked plan of a study (PlanError in one line), before anything is written."""
     from omegaconf import OmegaConf
 
+    from eval.search_space import parse_space
+
     check_settings(study)
+    notes = start_from(study)
     spaces = parsed_spaces(study)
     dim_keys = {key for space in spaces.values() for dim in space.dims for key in dim.keys}
     check_train_overrides(command_train, dim_keys)
+    nodes, held = hold_dims(study, spaces)
+    spaces = {side: parse_space(side, node) for side, node in nodes.items()}
     train = [*study.get("train", []), *command_train]
     check_runs_compose(study, spaces, train)
     typed = base_config(train, float(study["tuning"]["split_fraction"]))
@@ -299,10 +361,11 @@ def build_plan(name: str, study: dict, command_train: list[str]) -> Plan:
     model = OmegaConf.to_container(OmegaConf.structured(typed.model))
     data = OmegaConf.to_container(OmegaConf.structured(typed.data))
     return Plan(name=name, target=study["target"], baseline=study["baseline"], train=train,
-                spaces={side: study["spaces"][side] for side in spaces}, tuning=tuning, compare=compare,
+                spaces=nodes, tuning=tuning, compare=compare,
                 stats=dict(study["stats"]), tokens_per_step=tokens_per_step,
                 budget_per_side={"runs": runs, "tokens": tokens}, model=model, data=data,
-                notes=["tokens per step count one process's batch" if dp == 1 else f"tokens per step over {dp} DP ranks"])
+                notes=["tokens per step count one process's batch" if dp == 1 else f"tokens per step over {dp} DP ranks",
+                       *notes, *held])
 
 
 def probe_step_seconds(plan: Plan, side: str, steps: int = 3) -> float:
@@ -378,6 +441,7 @@ def plan_lines(plan: Plan, seconds: Optional[dict[str, float]] = None) -> list[s
         space = parse_space(side, plan.spaces[side])
         lines.append(f"{side}: {len(space.dims)} dimensions: " + "; ".join(
             f"{d.name} {'/'.join(f'{v:.4g}' for v in d.grid)}" for d in space.dims))
+    lines += plan.notes[1:]
     runs, tokens = b["runs"], b["tokens"]
     lines.append(f"per side (equal: yes): tuning {runs['tune']} trials, {tokens['tune']:,} tokens; lr retuned at "
                  f"the longer budgets {runs['retune']} runs, {tokens['retune']:,} tokens; final {runs['final']} runs, "

@@ -125,12 +125,13 @@ def finals_lines(data: StudyData, splits: list[str]) -> list[str]:
     return lines
 
 
-def write_report(data: StudyData, out: Path) -> list[str]:
-    """Write the report into `out`; return comparison.md's headline lines, for the terminal."""
+def write_report(data: StudyData, out: Path, results: dict[str, Comparison] | None = None) -> list[str]:
+    """Write the report into `out` (`results`: comparisons(data), when the caller has them);
+    return comparison.md's headline lines, for the terminal."""
     plan = data.plan
     out.mkdir(parents=True, exist_ok=True)
     splits = reported_splits(data)
-    results = comparisons(data)
+    results = comparisons(data) if results is None else results
     t, c = plan["tuning"], plan["compare"]
     head = [f"# {plan['target']} against {plan['baseline']}: a fair comparison", "",
             f"Model {plan['model'].get('name')}, {plan['tokens_per_step']:,} tokens a step on both sides. Each side "
@@ -140,6 +141,7 @@ def write_report(data: StudyData, out: Path) -> list[str]:
             f"fresh seeds {c['seeds']}. Speedup: the tokens {plan['baseline']} needs to reach {plan['target']}'s final "
             f"loss over {plan['target']}'s, from a monotone fit in log tokens through end-of-schedule points; a "
             "crossing beyond the budgets run is a bound, never extrapolated.",
+            *(["", *(f"- {note}." for note in plan.get("notes", [])[1:])] if plan.get("notes", [])[1:] else []),
             "", "## Speedup", "",
             "| split | speedup | 95% interval | one-sided p |", "|---|---:|---|---|"]
     head += [f"| {k} | " + " | ".join(ratio_text(results[k])) + " |" for k in splits]
@@ -185,6 +187,9 @@ def chosen_lines(data: StudyData) -> list[str]:
         if 1.0 in chosen:
             lines.append(f"- {side} at 1x: " + ", ".join(f"{k}={v:.4g}" for k, v in chosen[1.0].items()))
         lines += [f"- {side} at {b:g}x: lr={v['lr']:.4g}" for b, v in chosen.items() if b != 1.0]
+        fixed = data.plan["spaces"][side].get("fixed") or []
+        if isinstance(fixed, list) and fixed:  # held dims (tuning.dims) and the side's own fixed overrides
+            lines.append(f"- {side}, not tuned here: " + ", ".join(fixed))
     return lines
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from scripts.plan import estimate_memory
 
-PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_small, moe_tiny"
+PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_d128, gpt_d256, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_d256, moe_small, moe_tiny"
 
 # Before: "(known: )" for a path; parallel.simulate_rank; "trainer.seq_len=4096 exceeds
 # model.max_seq_len=512", keys the user never typed; --dp-shard 1000000 ran for minutes.

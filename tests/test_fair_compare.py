@@ -125,6 +125,32 @@ def test_the_committed_smoke_study_is_made_again_from_its_committed_records(tmp_
         assert (tmp_path / "again" / name).read_bytes() == (committed / "report" / name).read_bytes(), name
 
 
+def test_a_rung_starts_at_the_choice_of_the_study_below_and_holds_the_dims_it_does_not_tune(study):
+    """tuning.start_from moves every dim's init to that study's 1x choice, the grid the same shape
+    around it; tuning.dims keeps those dims tuned and holds the rest there, as fixed overrides that
+    a run composes (the plan composes its corners as train.py would)."""
+    from eval.search_space import parse_space
+    from scripts.fair_plan import build_plan, compose_study
+
+    out, _ = study
+    chosen = {e.side: e.values for e in read_index(out / "records") if e.stage == "final" and e.budget == 1.0}
+    plan = build_plan("smoke", compose_study("smoke", [f"tuning.start_from={out}", "tuning.dims=[lr,warmup]"]), [])
+    for side in ("muon", "adamw"):
+        space = parse_space(side, plan.spaces[side])
+        assert space.names == ("lr", "warmup")
+        lr, warmup = space.dim("lr"), space.dim("warmup")
+        assert lr.init == chosen[side]["lr"] and warmup.init == chosen[side]["warmup"]
+        assert lr.grid == pytest.approx((lr.init / 3, lr.init, lr.init * 3), rel=1e-9)
+        assert warmup.grid == pytest.approx((warmup.init - 0.05, warmup.init, warmup.init + 0.05), abs=1e-12)
+        held = {o.lstrip("+").split("=", 1)[0]: float(o.split("=", 1)[1]) for o in space.fixed}
+        assert held["optim.weight_decay"] == chosen[side]["weight_decay"]
+        assert held["optim.lr_overrides.norm"] == held["optim.lr_overrides.router"] == chosen[side]["norm_lr_mult"]
+        assert held["optim.beta2"] == chosen[side]["beta2"]
+        assert len({k for k in held}) == 10  # 9 held dims, norm_lr_mult setting two keys
+    assert any(f"1x choice of {out}" in note for note in plan.notes)
+    assert any(note.startswith("tuned: lr, warmup; held at their init: embed_lr_mult") for note in plan.notes)
+
+
 def test_records_of_another_corpus_mixed_in_are_refused(study, tmp_path):
     out, _ = study
     shutil.copytree(out / "records", tmp_path / "records")
@@ -165,6 +191,9 @@ def test_the_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
     (["seed=3"], "error: seed=3: the study sets seed on every run itself"),
     (["baseline=muon"], "error: target=muon and baseline=muon: compare two different spaces"),
     # a grid the space allows and a run refuses: found by composing its corners before anything trains
+    (["tuning.start_from=no/such/study"], "error: tuning.start_from=no/such/study: no/such/study: no records/plan.json"),
+    (["tuning.dims=[lr,momentum]"], "error: tuning.dims: momentum is not a dimension of adamw; a study tunes the same"),
+    (["tuning.dims=[]"], "error: tuning.dims must be a non-empty list of dimension names, got []"),
     ([f"{prefix}spaces.{side}.warmup.{field}" for side in ("muon", "adamw")
       for prefix, field in (("", "step=null"), ("+", "low=0.1"), ("+", "high=1.0"), ("", "max=1"))],
      "error: spaces.muon (highest point of every grid): optim.warmup_fraction must lie in [0, 1), got 1.0"),

@@ -26,7 +26,7 @@ from trainer.run.launch import resume_command
 from trainer.run.preflight import check_config, config_warnings, preflight
 from trainer.checkpoint.resume_checks import fp8_change, schedule_changes
 
-PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_small, moe_tiny"
+PRESETS = "gpt_124m, gpt_1b, gpt_8b, gpt_d128, gpt_d256, gpt_small, gpt_tiny, moe_16b, moe_1b, moe_d256, moe_small, moe_tiny"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,103 @@
+"""scripts/fair_ladder.py: the fair study across model sizes. The trend's arithmetic on rungs of
+known speedups, the parameter count it is drawn against, and `fair_compare.py --report` on a dir
+of studies: every report, ladder.md, the plot and a page's block, from records alone."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.speedup import Comparison, Ratio
+from scripts.fair_ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend
+from tests.conftest import REPO
+from tests.prestarted import run_python
+
+SMOKE = REPO / "lab" / "results" / "fair_smoke"
+
+
+def rung(params: int, speedup: float, draws: tuple[float, ...], experts: int = 0) -> Rung:
+    c = Comparison("val/val/loss", Ratio(speedup), Ratio(min(draws)), Ratio(max(draws)), {1.0: 0.5}, (0.0, 0.0),
+                   len(draws), 0, True, "t", tuple(sorted(draws)))
+    return Rung(f"r{params}", f"m{params}", experts, params, params, 20 * params, 40 * params, None, 4, 8,
+                {"val/val/loss": c})
+
+
+def test_the_trend_is_the_factor_per_ten_times_the_parameters():
+    """Speedups 1.5, 1.35, 1.215 at 1M, 10M, 100M lose 10% per decade: x0.9 exactly, and with
+    every replicate at its estimate the interval is that point and no replicate shows no decline."""
+    rungs = [rung(10 ** e, 1.5 * 0.9 ** (e - 6), (1.5 * 0.9 ** (e - 6),) * 4) for e in (6, 7, 8)]
+    t = trend(rungs, "val/val/loss", replicates=999, seed=0)
+    assert t.factor == pytest.approx(0.9, rel=1e-12)
+    assert t.lo == pytest.approx(0.9, rel=1e-12) and t.hi == pytest.approx(0.9, rel=1e-12)
+    assert t.p_no_decline == pytest.approx(1 / 1000) and t.rungs == 3 and t.at_bound == 0.0
+
+
+def test_the_trends_interval_resamples_each_rung_apart_and_leaves_the_moe_out():
+    """Two rungs whose replicates are {1, 2} each: slopes from both pairings occur, so the interval
+    spans the extremes (x0.5 to x2 per decade over one decade); an MoE rung is not on the line."""
+    rungs = [rung(10 ** 6, math.sqrt(2), (1.0, 2.0)), rung(10 ** 7, math.sqrt(2), (1.0, 2.0)),
+             rung(10 ** 8, 100.0, (100.0,), experts=8)]
+    t = trend(rungs, "val/val/loss", replicates=999, seed=0)
+    assert t.rungs == 2 and t.factor == pytest.approx(1.0)
+    assert t.lo == pytest.approx(0.5) and t.hi == pytest.approx(2.0)
+    assert 0.6 < t.p_no_decline < 0.9  # slope >= 0 in 3 of the 4 pairings
+    assert trend(rungs[:1] + rungs[2:], "val/val/loss", 99, 0) is None  # one dense size: no line
+
+
+def test_non_embedding_parameters_leave_out_the_embedding_and_head_and_count_active_experts():
+    dense = {"n_layers": 4, "d_model": 128, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 384}
+    per_layer = 4 * 128 * 128 + 3 * 128 * 384 + 2 * 128  # attention, SwiGLU, two norms
+    assert model_params(dense) == (4 * per_layer + 128,) * 2  # + the final norm
+    moe = {**dense, "n_experts": 8, "top_k": 2, "n_shared_experts": 1, "expert_hidden": 64, "n_dense_layers": 1}
+    params, active = model_params(moe)
+    expert = 3 * 128 * 64
+    assert params - active == 3 * (8 - 2) * expert  # 3 MoE layers, 6 routed experts idle per token
+
+
+def test_a_page_block_is_replaced_and_a_page_without_one_is_refused():
+    text = f"top\n{LADDER_BEGIN}\nold line\n{LADDER_END}\nbottom\n"
+    assert replace_block(text, ["new"], "p") == f"top\n{LADDER_BEGIN}\nnew\n{LADDER_END}\nbottom\n"
+    with pytest.raises(ValueError, match="p: no ladder block"):
+        replace_block("no block here\n", ["new"], "p")
+
+
+def test_a_dir_of_studies_gets_every_report_the_ladder_and_the_pages_block(tmp_path):
+    """Two rungs made of the committed smoke study's records, the second declared 3x deeper: each
+    report is made again as --report makes it for one study, and the page's block and ladder.md
+    carry the same speedups as each study's comparison.json."""
+    root = tmp_path / "ladder"
+    for name, layers in (("small", None), ("deep", 6)):
+        shutil.copytree(SMOKE / "records", root / name / "records")
+        if layers:
+            plan_path = root / name / "records" / "plan.json"
+            plan = json.loads(plan_path.read_text())
+            plan["model"].update(n_layers=layers, name="gpt_tiny_deep")
+            plan_path.write_text(json.dumps(plan, indent=1) + "\n")
+    page = tmp_path / "page.md"
+    page.write_text(f"# results\n\n{LADDER_BEGIN}\nstale\n{LADDER_END}\n\nprose after\n")
+    proc = run_python(["scripts/fair_compare.py", "--report", str(root), "--page", str(page)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("comparison.md", "comparison.json", "trials.md", "chosen.md"):
+        assert (root / "small" / "report" / name).read_bytes() == (SMOKE / "report" / name).read_bytes(), name
+    assert (root / "speedup_vs_size.png").stat().st_size > 10_000
+    val = json.loads((SMOKE / "report" / "comparison.json").read_text())["splits"]["val/val/loss"]["ratio"]["value"]
+    text = page.read_text()
+    assert "stale" not in text and text.endswith(f"{LADDER_END}\n\nprose after\n")
+    rows = [line for line in text.splitlines() if line.startswith("| gpt_tiny")]
+    assert len(rows) == 2 and all(f"| {val:.2f}x (" in row for row in rows), rows
+    assert "x1.00 per 10x non-embedding parameters" in text  # the same speedup at both sizes
+    ladder = (root / "ladder.md").read_text()
+    assert all(row in ladder for row in rows)
+
+
+def test_a_page_without_a_block_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    root = tmp_path / "ladder"
+    shutil.copytree(SMOKE / "records", root / "only" / "records")
+    page = tmp_path / "page.md"
+    page.write_text("# no block\n")
+    proc = run_python(["scripts/fair_compare.py", "--report", str(root), "--page", str(page)], timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {page}: no ladder block"), proc.stderr
+    assert not (root / "ladder.md").exists() and not (root / "only" / "report").exists()
