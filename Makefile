@@ -56,8 +56,8 @@ bench-gpu: $(SETUP)
 
 # One GPU check that fits in 10 minutes on one H100/H200 (scripts/gpu/check_gpu.py; the steps, their
 # limits and the budget's arithmetic: scripts/gpu/check_gpu.py --dry-run). Beside test-gpu's tests (on
-# pytest-xdist workers where installed) run lab/results.md's reference comparison in bf16
-# (compare-gpu's runs, recorded and compared) and gpt_1b's loss after 200 steps in bf16 and FP8;
+# pytest-xdist workers where installed) run the fair study's tuned choice in bf16
+# (compare-gpu's rerun, with its report) and gpt_1b's loss after 200 steps in bf16 and FP8;
 # then, each alone on the GPU: the plain step of ../shared/bench/, bench-gpu's gpt_124m rows at
 # 16k tokens per step, the Muon step, gpt_1b in bf16 and FP8 with AdamW and Muon at the batch the
 # planner picks (tokens/s, MFU, peak memory), and moe_1b. summary.md states each goal against what
@@ -74,13 +74,12 @@ PLAIN_STEP ?=
 check-gpu: $(SETUP)
 	$(PY) scripts/gpu/check_gpu.py --out $(OUT_DIR) $(if $(PLAIN_STEP),--plain $(PLAIN_STEP))
 
-# lab/results.md's reference comparison in bf16 on one GPU, in about 4 minutes
-# (scripts/gpu/reference_bf16.py): 15 gpt_small runs as 5 sweeps side by side, recorded into
-# lab/results/runs/bf16/ (what to commit) and compared into lab/results/bf16/ (the honest
-# ratio with its intervals). REPLACE=--replace overwrites records already there.
-REPLACE ?=
+# The fair study's tuned choice in bf16 on one GPU, in about 4 minutes (scripts/gpu/reference_bf16.py):
+# each side's settings from lab/results/fair's largest dense rung at every budget, on fresh seeds,
+# 4 runs at a time, into lab/results/fair_bf16/<rung>/ (records/ to commit, report/ the same
+# report as the fp32 study's: speedup, 95% interval, p-values). Run again, it trains what is missing.
 compare-gpu: $(SETUP)
-	$(PY) scripts/gpu/reference_bf16.py $(REPLACE)
+	$(PY) scripts/gpu/reference_bf16.py
 
 test-all: $(SETUP)
 	$(PY) -m pytest

@@ -6,6 +6,7 @@
     python scripts/fair_compare.py --report outputs/fair/small    # the report again, from records/ alone
     python scripts/fair_compare.py --report lab/results/fair --page lab/results.md   # a ladder of studies
     python scripts/fair_compare.py model=moe_small tuning.trials=64 hydra/launcher=slurm
+    python scripts/fair_compare.py --rerun lab/results/fair/gpt_small 'compare.seeds=[10,11,12]' trainer.precision=bf16
 
 1. tune: both optimizers by coordinate descent (conf/tuning/<side>.yaml, the same families and
    shape on both sides), each with exactly tuning.trials trials of the same tokens, scored on the
@@ -36,6 +37,7 @@ from data.quiet_imports import quiet_library_noise
 from scripts import REPO
 from scripts.fair_plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,
                                probe_step_seconds, route)
+from scripts.fair_rerun import copy_choice_records, rerun_plan
 from scripts.refuse import refuse
 
 # What a study must share with the records already in its dir to go on there: changed, the runs
@@ -52,11 +54,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="the study dir (default outputs/fair/<date-time>)")
     parser.add_argument("--smoke", action="store_true", help="conf/study/smoke.yaml: gpt_tiny, a few steps a run")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its time here; run nothing")
+    parser.add_argument("--rerun", type=Path, metavar="STUDY", help="run STUDY's chosen settings again on fresh "
+                        "seeds (compare.seeds=[...]) with the overrides given, finals only (scripts/fair_rerun.py)")
     parser.add_argument("--report", type=Path, metavar="STUDY", help="make STUDY's report again from its records "
                         "(a dir of studies: every report, and the ladder across them: scripts/fair_ladder.py)")
     parser.add_argument("--page", type=Path, action="append", default=[], metavar="FILE",
                         help="with --report on a ladder: rewrite FILE's ladder block with its headline table")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     study_overrides, train_overrides = route(args.overrides)
     launch = [o for o in train_overrides if o.lstrip("+~").startswith("hydra")]
     try:
-        study = compose_study(name, study_overrides)
-        plan = build_plan(name, study, [o for o in train_overrides if o not in launch])
+        if args.rerun is not None:
+            if args.smoke:
+                raise PlanError("--smoke and --rerun: a rerun takes everything but its seeds from the study it reruns")
+            plan = rerun_plan(args.rerun, study_overrides, [o for o in train_overrides if o not in launch])
+        else:
+            study = compose_study(name, study_overrides)
+            plan = build_plan(name, study, [o for o in train_overrides if o not in launch])
     except PlanError as err:
         refuse(str(err))
     if args.dry_run:
@@ -79,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan_lines(plan, seconds)))
         return 0
     out = args.out or REPO / "outputs" / "fair" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    return run_study(plan, out.resolve(), launch)
+    return run_study(plan, out.resolve(), launch, args.rerun)
 
 
-def run_study(plan: Plan, out: Path, launch: list[str]) -> int:
+def run_study(plan: Plan, out: Path, launch: list[str], rerun_of: Path | None = None) -> int:
     """Train (or resume) the study in `out` through train.py's Hydra sweep, then report."""
     from eval.fair_records import PLAN_FILE, RECORDS, RUNS, write_plan
     from trainer.run.lock import RunLocked, claim
@@ -101,6 +110,8 @@ def run_study(plan: Plan, out: Path, launch: list[str]) -> int:
     try:
         print("\n".join(plan_lines(plan)), flush=True)
         write_plan(records, plan.to_json())
+        if rerun_of is not None:
+            copy_choice_records(rerun_of, records)
         argv = ["train.py", "-m", "hydra/sweeper=fair", f"hydra.sweeper.plan={earlier}",
                 f"hydra.sweep.dir={out / RUNS}", *QUIET, *launch, *plan.train]
         code = run_train_py(argv)

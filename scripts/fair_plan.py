@@ -52,6 +52,9 @@ class Plan:
     data: dict[str, Any]
     format: int = PLAN_FORMAT
     notes: list[str] = field(default_factory=list)
+    # {side: {budget ("1", "1.5", ...): the settings}}: a rerun of a tuned study's choice
+    # (scripts/fair_rerun.py), which runs the final stage only; empty for a study that tunes.
+    chosen: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def sides(self) -> tuple[str, str]:
@@ -137,7 +140,7 @@ def _int(node: dict, key: str, minimum: int) -> int:
     return value
 
 
-def _seeds(values: Any, key: str) -> list[int]:
+def seed_list(values: Any, key: str) -> list[int]:
     if not isinstance(values, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
         raise PlanError(f"{key} must be a list of integer seeds, got {values!r}")
     if len(set(values)) != len(values):
@@ -159,10 +162,10 @@ def check_settings(study: dict) -> None:
     _int(tuning, "tuning.extend_max", 0)
     if not 0 < float(tuning["split_fraction"]) < 0.5:
         raise PlanError(f"tuning.split_fraction must lie in (0, 0.5), got {tuning['split_fraction']}")
-    tune_seeds = _seeds(tuning["seeds"], "tuning.seeds")
+    tune_seeds = seed_list(tuning["seeds"], "tuning.seeds")
     if not tune_seeds:
         raise PlanError("tuning.seeds: no seed; the tuning runs need at least one")
-    seeds = _seeds(compare["seeds"], "compare.seeds")
+    seeds = seed_list(compare["seeds"], "compare.seeds")
     if len(seeds) < 2:
         raise PlanError(f"compare.seeds: {len(seeds)} seed(s); a comparison needs at least 2 (5 or more recommended)")
     reused = sorted(set(seeds) & set(tune_seeds))
@@ -417,6 +420,10 @@ def estimate_seconds(plan: Plan, step_s: dict[str, float]) -> dict[str, float]:
     per_stage = {"tune": 0.0, "retune": 0.0, "final": 0.0}
     for side in plan.sides:
         s = step_s[side]
+        if plan.chosen:  # a rerun: the final runs only
+            per_stage["final"] += len(c["seeds"]) * sum(n * s + c["eval_points"] * s / 3 + RUN_OVERHEAD_S
+                                                        for n in c["steps"])
+            continue
         per_stage["tune"] += t["trials"] * len(t["seeds"]) * (c["steps_1x"] * s + RUN_OVERHEAD_S)
         per_stage["retune"] += sum(c["retune"]["trials"] * len(t["seeds"]) * (n * s + RUN_OVERHEAD_S)
                                    for n in c["steps"][1:])

@@ -151,6 +151,35 @@ def test_a_rung_starts_at_the_choice_of_the_study_below_and_holds_the_dims_it_do
     assert any(note.startswith("tuned: lr, warmup; held at their init: embed_lr_mult") for note in plan.notes)
 
 
+def test_a_rerun_runs_the_studys_choice_on_fresh_seeds_with_the_same_report(study, tmp_path):
+    """--rerun: each side's chosen settings at every budget (from the study's final runs), the
+    extra override on every run, fresh seeds, the study's tuning records copied (the report counts
+    and redoes that choice); a rerun of a rerun, reused seeds and other study keys are refused."""
+    out, _ = study
+    rerun = tmp_path / "rerun"
+    proc = fair("--rerun", str(out), "compare.seeds=[7,8]", "--out", str(rerun), "optim.muon.ns_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source, data = load_study(out), load_study(rerun)
+    assert [e.to_line() for e in data.entries if e.stage != "final"] == \
+        [e.to_line() for e in source.entries if e.stage != "final"]
+    finals = data.of("final")
+    assert sorted({e.seed for e in finals}) == [7, 8] and len(finals) == 12
+    for e in finals:
+        assert e.values == source.of("final", e.side, e.budget)[0].values, e.name
+        config = (rerun / "records" / e.name / ".hydra" / "overrides.yaml").read_text()
+        assert "optim.muon.ns_steps=4" in config and f"seed={e.seed}" in config, e.name
+    assert "a rerun of the settings" in (rerun / "report" / "comparison.md").read_text()
+    for args, said in ((["compare.seeds=[0,9]"], "error: compare.seeds: seed 0 was one of"),
+                       ([], f"error: --rerun {out} needs compare.seeds=[...]"),
+                       (["compare.seeds=[7,8]", "tuning.trials=3"], "error: tuning.trials=3: a rerun runs the settings")):
+        proc = run_python([SCRIPT, "--rerun", str(out), *args, "--out", str(tmp_path / "no")], timeout=300)
+        assert proc.returncode == 2 and proc.stderr.startswith(said), proc.stderr
+    proc = run_python([SCRIPT, "--rerun", str(rerun), "compare.seeds=[20,21]", "--out", str(tmp_path / "no")],
+                      timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: --rerun {rerun}: a rerun itself"), proc.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_records_of_another_corpus_mixed_in_are_refused(study, tmp_path):
     out, _ = study
     shutil.copytree(out / "records", tmp_path / "records")

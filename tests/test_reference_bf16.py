@@ -1,41 +1,43 @@
-"""scripts/gpu/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without running
-it: the sweeps are lab/results.md's fp32 commands with bf16 added, at the fp32 protocol's best
-lrs and lengths, and records of two invocations never mix. (Its whole run on gpt_tiny on a CPU
-takes about two minutes: the command is in its docstring.)"""
+"""scripts/gpu/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without a GPU:
+it reruns a fair study's tuned choice through `fair_compare.py --rerun` in bf16, on fresh seeds,
+the ladder's largest dense rung by default, and quotes the report's speedup table. (The rerun
+itself is tested in test_fair_compare.py, on a CPU.)"""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-import pytest
-
 from scripts.gpu import reference_bf16
+from tests.conftest import REPO
+
+SMOKE = REPO / "lab" / "results" / "fair_smoke"
 
 
-def test_the_sweeps_are_the_reference_protocol_in_bf16():
-    runs = Path("/runs")
-    argv = {name: reference_bf16.sweep_argv("python3", name, 240, runs, ["model=gpt_tiny"])
-            for name in reference_bf16.SWEEPS}
-    for name, a in argv.items():
-        assert a[:4] == ["python3", str(reference_bf16.REPO / "train.py"), "-m", "+experiment=reference_cpu_setup"]
-        assert {"trainer.precision=bf16", "optim.muon.ns_dtype=bf16", "seed=0,1,2", "logger.wandb.mode=disabled",
-                f"hydra.sweep.dir={runs / name}"} <= set(a)
-        assert a[-1] == "model=gpt_tiny"  # extra overrides last: they win
-    steps = {name: next(x for x in a if x.startswith("trainer.max_steps=")) for name, a in argv.items()}
-    assert steps == {"muon": "trainer.max_steps=240", "adamw": "trainer.max_steps=240",
-                     "adamw_1.25x": "trainer.max_steps=300", "adamw_1.5x": "trainer.max_steps=360",
-                     "adamw_2x": "trainer.max_steps=480"}
-    lrs = {name: next(x for x in a if x.startswith("optim.lr=")) for name, a in argv.items()}
-    assert lrs == {"muon": "optim.lr=1e-2", "adamw": "optim.lr=1e-3", "adamw_1.25x": "optim.lr=7e-4",
-                   "adamw_1.5x": "optim.lr=7e-4", "adamw_2x": "optim.lr=1e-3"}
-    assert "optim=muon" in argv["muon"] and all("optim=adamw" in argv[n] for n in reference_bf16.LONGER)
+def test_the_command_is_a_rerun_in_bf16_on_fresh_seeds_with_extra_overrides_last():
+    argv = reference_bf16.rerun_argv("python3", Path("S"), Path("O"), [100, 101], 4, ["model.qk_norm=true"])
+    assert argv[:6] == ["python3", str(REPO / "scripts" / "fair_compare.py"), "--rerun", "S", "--out", "O"]
+    assert {"compare.seeds=[100,101]", "trainer.precision=bf16", "optim.muon.ns_dtype=bf16",
+            "hydra/launcher=local", "hydra.launcher.n_jobs=4", "logger.wandb.mode=disabled"} <= set(argv)
+    assert argv[-1] == "model.qk_norm=true"
+    assert not any("launcher" in a for a in reference_bf16.rerun_argv("p", Path("S"), Path("O"), [1, 2], 1, []))
 
 
-def test_records_of_two_sessions_do_not_mix(tmp_path, capsys):
-    records = tmp_path / "bf16"
-    reference_bf16.prepare_records(records, replace=False)  # absent: fine
-    (records / "muon").mkdir(parents=True)
-    with pytest.raises(SystemExit) as exit:
-        reference_bf16.prepare_records(records, replace=False)
-    assert exit.value.code == 2 and "--replace" in capsys.readouterr().err
-    reference_bf16.prepare_records(records, replace=True)
-    assert not records.exists()
+def test_the_default_study_is_the_ladders_largest_dense_rung(tmp_path):
+    """Three rungs made of the smoke study's records: the deepest dense one wins, the MoE never."""
+    import json
+
+    for name, update in (("a", {"n_layers": 2}), ("b", {"n_layers": 6}), ("c", {"n_layers": 8, "n_experts": 4})):
+        shutil.copytree(SMOKE / "records", tmp_path / name / "records")
+        plan_path = tmp_path / name / "records" / "plan.json"
+        plan = json.loads(plan_path.read_text())
+        plan["model"].update(update)
+        plan_path.write_text(json.dumps(plan))
+    assert reference_bf16.largest_dense_rung(tmp_path) == tmp_path / "b"
+    assert reference_bf16.largest_dense_rung(tmp_path / "none") is None
+
+
+def test_the_speedup_table_is_quoted_from_the_report():
+    section = reference_bf16.speedup_section(SMOKE / "report" / "comparison.md")
+    lines = section.splitlines()
+    assert lines[0] == "| split | speedup | 95% interval | one-sided p |" and lines[2].startswith("| val/val/loss | ")
+    assert reference_bf16.speedup_section(Path("/no/such/report.md")) == ""

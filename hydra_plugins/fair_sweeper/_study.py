@@ -45,8 +45,15 @@ class StudyRunner:
     # ---- the stages ----
 
     def run(self) -> list[Any]:
-        chosen = self.tune()
-        lrs = self.retune(chosen)
+        if self.plan.chosen:  # a rerun of a tuned study's choice (scripts/fair_rerun.py): finals only
+            chosen = {side: by_budget["1"] for side, by_budget in self.plan.chosen.items()}
+            lrs = {(side, float(b)): values["lr"] for side, by_budget in self.plan.chosen.items()
+                   for b, values in by_budget.items()}
+            self.say(f"the tuned settings of {self.plan.tuning.get('chosen_from')}: "
+                     + "; ".join(f"{side} {values_text(values)}" for side, values in chosen.items()))
+        else:
+            chosen = self.tune()
+            lrs = self.retune(chosen)
         self.final(chosen, lrs)
         reused = sum(1 for e in self.index if e.name in self.recorded)
         self.say(f"done: {len(self.index)} runs, {self.launched} trained now, {reused} taken from the records")

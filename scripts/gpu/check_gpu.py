@@ -11,9 +11,9 @@ the next steps start at once, and the check waits for them before the first step
 something, which always has the machine to itself.
 
   machine         GPU, driver, python, torch, torchao, CUDA, hydra, transformers, pytest-xdist, commit
-  compare-bf16    alongside: lab/results.md's reference comparison in bf16 (scripts/gpu/reference_bf16.py:
-                  15 gpt_small runs as 5 sweeps side by side, recorded and compared, the honest ratio
-                  with its intervals), into <out>/compare-bf16/; goal: at most 240 s
+  compare-bf16    alongside: the fair study's tuned choice rerun in bf16 (scripts/gpu/reference_bf16.py:
+                  lab/results/fair's largest dense rung, every budget, 3 fresh seeds, 4 runs at a time,
+                  the same report), into <out>/compare-bf16/; goal: at most 240 s
   gpt_1b-loss     alongside: bench_train.py --losses, gpt_1b eager, micro-batch 2 x 1024, Muon, bf16
                   and FP8 from the same seed and batches, 200 steps each (lr schedule of 200 steps):
                   train and val loss; goal: FP8 within 1% of bf16
