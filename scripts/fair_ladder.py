@@ -142,18 +142,18 @@ def params_text(n: int) -> str:
 
 
 def trend_line(t: Trend) -> str:
-    return (f"{t.split}: the speedup changes by x{t.factor:.2f} per 10x non-embedding parameters (95% interval "
-            f"x{t.lo:.2f} to x{t.hi:.2f}; p(no decline) = {t.p_no_decline:.4f}), least squares over "
-            f"{t.rungs} dense sizes" + (f"; {t.at_bound:.1%} of the rungs' replicates entered at a budget's bound"
-                                        if t.at_bound else ""))
+    """One line: the factor per 10x parameters, its interval and p-value, over how many sizes."""
+    return (f"{short(t.split)}: x{t.factor:.2f} per 10x non-embedding parameters (95% interval x{t.lo:.2f} to "
+            f"x{t.hi:.2f}; p(no decline) = {t.p_no_decline:.4f}; {t.rungs} dense sizes"
+            + (f"; {t.at_bound:.1%} of replicates at a budget's bound" if t.at_bound else "") + ")")
 
 
 def headline_lines(rungs: list[Rung], trends: list[Trend]) -> list[str]:
-    """The table a page shows: per rung, its size, tokens, and each split's speedup."""
+    """The table a page shows: per rung, its size and each split's speedup; then the trends."""
     splits = sorted({k for r in rungs for k in r.results}, key=lambda k: (k != VAL, k))
-    head = "| model | non-embedding params | tokens at 1x (per param) | " + " | ".join(
+    head = "| model | non-embedding params | " + " | ".join(
         f"{short(k)} speedup (95% interval) | p(> 1x)" for k in splits) + " |"
-    lines = [head, "|---|---:|---:|" + "---:|---:|" * len(splits)]
+    lines = [head, "|---|---:|" + "---:|---:|" * len(splits)]
     for r in rungs:
         size = params_text(r.params) + (f" ({params_text(r.active)} active)" if r.experts else "")
         cells = []
@@ -163,8 +163,8 @@ def headline_lines(rungs: list[Rung], trends: list[Trend]) -> list[str]:
                 continue
             ratio, ci, _ = ratio_text(r.results[k])
             cells += [f"{ratio} ({ci})", f"{r.results[k].p.get(1.0, math.nan):.4f}"]
-        lines.append(f"| {r.model} | {size} | {r.tokens_1x:,} ({r.tokens_per_param:.3g}) | " + " | ".join(cells) + " |")
-    lines += ["", *(f"- {trend_line(t)}." for t in trends)]
+        lines.append(f"| {r.model} | {size} | " + " | ".join(cells) + " |")
+    lines += ["", *(f"Trend, {trend_line(t)}." for t in trends)]
     return lines
 
 
@@ -179,13 +179,16 @@ def ladder_lines(rungs: list[Rung], trends: list[Trend]) -> list[str]:
              "is the tokens AdamW needs to reach Muon's final loss over Muon's, both sides tuned with the same trials "
              "and tokens; the interval is a 95% bootstrap over the seeds that also redoes the selection.", "",
              *headline_lines(rungs, trends), "", "## The rungs", "",
-             "| rung | model | routed experts | non-embedding params | active | tokens at 1x | longest budget | "
-             "epochs at the longest | tuning trials per side | fresh seeds |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rung | model | routed experts | non-embedding params | active | tokens at 1x | per active param | "
+             "longest budget | epochs at the longest | tuning trials per side | fresh seeds |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rungs:
         epochs = f"{r.tokens_max / r.train_tokens:.2f}" if r.train_tokens else "-"
         lines.append(f"| {r.name} | {r.model} | {r.experts} | {r.params:,} | {r.active:,} | {r.tokens_1x:,} | "
-                     f"{r.tokens_max:,} | {epochs} | {r.trials} | {r.seeds} |")
+                     f"{r.tokens_per_param:.3g} | {r.tokens_max:,} | {epochs} | {r.trials} | {r.seeds} |")
+    lines += ["", "The trend: least squares of log(speedup) on log10(non-embedding parameters) over the dense rungs; "
+              "its interval resamples each rung's bootstrap replicates independently, and p(no decline) is the "
+              "one-sided p-value of a slope >= 0."]
     return lines + [""]
 
 
@@ -223,8 +226,11 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    low, high = ax.get_ylim()  # speedups span less than a decade: label them on a linear-looking grid
+    ax.set_yticks([v for v in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0) if low <= v <= high])
+    ax.set_ylim(low, high)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2gx"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2gx"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("non-embedding parameters (MoE, open square: active)")
     ax.set_ylabel("speedup of Muon over AdamW (tokens)")
     ax.set_title("Muon against AdamW, both tuned alike")

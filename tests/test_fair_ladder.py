@@ -88,7 +88,7 @@ def test_a_dir_of_studies_gets_every_report_the_ladder_and_the_pages_block(tmp_p
     assert "stale" not in text and text.endswith(f"{LADDER_END}\n\nprose after\n")
     rows = [line for line in text.splitlines() if line.startswith("| gpt_tiny")]
     assert len(rows) == 2 and all(f"| {val:.2f}x (" in row for row in rows), rows
-    assert "x1.00 per 10x non-embedding parameters" in text  # the same speedup at both sizes
+    assert "Trend, val: x1.00 per 10x non-embedding parameters" in text  # the same speedup at both sizes
     ladder = (root / "ladder.md").read_text()
     assert all(row in ladder for row in rows)
 
@@ -101,3 +101,30 @@ def test_a_page_without_a_block_is_one_line_and_exit_2_before_anything_is_writte
     proc = run_python(["scripts/fair_compare.py", "--report", str(root), "--page", str(page)], timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {page}: no ladder block"), proc.stderr
     assert not (root / "ladder.md").exists() and not (root / "only" / "report").exists()
+
+
+def test_the_committed_ladder_and_the_published_tables_are_made_again_from_the_committed_records(tmp_path):
+    """lab/results/fair holds the studies behind the headline of README.md and lab/results.md:
+    --report on a copy of their records alone gives back every study's report, ladder.md and
+    both pages byte for byte (the plot aside: its bytes follow the matplotlib build)."""
+    from scripts.fair_ladder import study_dirs
+
+    committed = REPO / "lab" / "results" / "fair"
+    studies = study_dirs(committed)
+    assert len(studies) >= 3, [s.name for s in studies]
+    copy = tmp_path / "fair"
+    for study in studies:
+        shutil.copytree(study / "records", copy / study.name / "records")
+    pages = {name: tmp_path / name.replace("/", "_") for name in ("README.md", "lab/results.md")}
+    for name, page in pages.items():
+        page.write_bytes((REPO / name).read_bytes())
+    proc = run_python(["scripts/fair_compare.py", "--report", str(copy),
+                       *(arg for page in pages.values() for arg in ("--page", str(page)))], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for study in studies:
+        for name in ("comparison.md", "comparison.json", "trials.md", "chosen.md"):
+            assert (copy / study.name / "report" / name).read_bytes() == (study / "report" / name).read_bytes(), \
+                f"{study.name}/report/{name}"
+    assert (copy / "ladder.md").read_bytes() == (committed / "ladder.md").read_bytes()
+    for name, page in pages.items():
+        assert page.read_bytes() == (REPO / name).read_bytes(), f"{name}: its ladder block is not what the records give"
