@@ -88,6 +88,16 @@ def read_index(records: Path) -> list[Entry]:
     return entries
 
 
+def chosen_settings(entries: list[Entry], side: str) -> dict[float, dict[str, float]]:
+    """The settings `side` chose at each budget, as its final runs used them (its 1x tuning's
+    choice, with the lr retuned at each longer budget); a budget with no final run yet is absent."""
+    chosen: dict[float, dict[str, float]] = {}
+    for e in entries:
+        if e.stage == "final" and e.side == side:
+            chosen.setdefault(e.budget, dict(e.values))
+    return chosen
+
+
 def write_index(records: Path, entries: list[Entry]) -> None:
     """index.jsonl rewritten whole (temp file + rename): an interrupted write keeps the old one."""
     records.mkdir(parents=True, exist_ok=True)

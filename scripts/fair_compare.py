@@ -35,9 +35,9 @@ from pathlib import Path
 
 from data.quiet_imports import quiet_library_noise
 from scripts import REPO
-from scripts.fair_plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,
+from scripts.fair.plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,
                                probe_step_seconds, route)
-from scripts.fair_rerun import copy_choice_records, rerun_plan
+from scripts.fair.rerun import copy_choice_records, rerun_plan
 from scripts.refuse import refuse
 
 # What a study must share with the records already in its dir to go on there: changed, the runs
@@ -55,9 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="conf/study/smoke.yaml: gpt_tiny, a few steps a run")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and its time here; run nothing")
     parser.add_argument("--rerun", type=Path, metavar="STUDY", help="run STUDY's chosen settings again on fresh "
-                        "seeds (compare.seeds=[...]) with the overrides given, finals only (scripts/fair_rerun.py)")
+                        "seeds (compare.seeds=[...]) with the overrides given, finals only (scripts/fair/rerun.py)")
     parser.add_argument("--report", type=Path, metavar="STUDY", help="make STUDY's report again from its records "
-                        "(a dir of studies: every report, and the ladder across them: scripts/fair_ladder.py)")
+                        "(a dir of studies: every report, and the ladder across them: scripts/fair/ladder.py)")
     parser.add_argument("--page", type=Path, action="append", default=[], metavar="FILE",
                         help="with --report on a ladder: rewrite FILE's ladder block with its headline table")
     return parser.parse_intermixed_args(argv)
@@ -143,8 +143,8 @@ def run_train_py(argv: list[str]) -> int:
 
 def report(study: Path, out: Path | None, pages: list[Path] = ()) -> int:
     from eval.fair_records import REPORT, StudyError, load_study
-    from scripts.fair_ladder import is_ladder, write_ladder
-    from scripts.fair_report import write_report
+    from scripts.fair.ladder import is_ladder, write_ladder
+    from scripts.fair.report import write_report
 
     if is_ladder(study):
         if out is not None:

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from eval.coordinate_descent import CoordinateDescent, Proposal, ReplayError, drive
-from eval.search_space import Space, parse_space, to_unit
+from eval.search_space import Space, to_unit
+from eval.space_config import parse_space
 from tests.conftest import REPO
 
 ADAMW, MUON = (parse_space(side, yaml.safe_load((REPO / "conf" / "tuning" / f"{side}.yaml").read_text()))

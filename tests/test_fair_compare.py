@@ -129,8 +129,8 @@ def test_a_rung_starts_at_the_choice_of_the_study_below_and_holds_the_dims_it_do
     """tuning.start_from moves every dim's init to that study's 1x choice, the grid the same shape
     around it; tuning.dims keeps those dims tuned and holds the rest there, as fixed overrides that
     a run composes (the plan composes its corners as train.py would)."""
-    from eval.search_space import parse_space
-    from scripts.fair_plan import build_plan, compose_study
+    from eval.space_config import parse_space
+    from scripts.fair.plan import build_plan, compose_study
 
     out, _ = study
     chosen = {e.side: e.values for e in read_index(out / "records") if e.stage == "final" and e.budget == 1.0}
@@ -260,8 +260,8 @@ def test_a_batch_dimension_keeps_each_runs_tokens():
     every trial of a budget trains the same tokens."""
     from types import SimpleNamespace
 
-    from eval.search_space import parse_space
-    from scripts.fair_plan import run_steps
+    from eval.space_config import parse_space
+    from scripts.fair.plan import run_steps
 
     space = parse_space("adamw", {"optimizer": "adamw", "fixed": {},
                                   "lr": {"key": "optim.lr", "scale": "log", "init": 1e-3, "step": 3.0, "points": 3},

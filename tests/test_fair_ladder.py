@@ -1,4 +1,4 @@
-"""scripts/fair_ladder.py: the fair study across model sizes. The trend's arithmetic on rungs of
+"""scripts/fair/ladder.py: the fair study across model sizes. The trend's arithmetic on rungs of
 known speedups, the parameter count it is drawn against, and `fair_compare.py --report` on a dir
 of studies: every report, ladder.md, the plot and a page's block, from records alone."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eval.speedup import Comparison, Ratio
-from scripts.fair_ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend
+from scripts.fair.ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend
 from tests.conftest import REPO
 from tests.prestarted import run_python
 
@@ -107,7 +107,7 @@ def test_the_committed_ladder_and_the_published_tables_are_made_again_from_the_c
     """lab/results/fair holds the studies behind the headline of README.md and lab/results.md:
     --report on a copy of their records alone gives back every study's report, ladder.md and
     both pages byte for byte (the plot aside: its bytes follow the matplotlib build)."""
-    from scripts.fair_ladder import study_dirs
+    from scripts.fair.ladder import study_dirs
 
     committed = REPO / "lab" / "results" / "fair"
     studies = study_dirs(committed)

@@ -138,7 +138,7 @@ def test_the_fair_studys_pieces_sit_where_the_package_order_puts_them():
     the sweeper plugin is found by Hydra beside the installed launchers (hydra_plugins/ holds no
     __init__.py of its own, which would hide theirs)."""
     modules = project_modules()
-    for name in ("eval.speedup", "eval.search_space", "eval.coordinate_descent", "eval.fair_records"):
+    for name in ("eval.speedup", "eval.search_space", "eval.space_config", "eval.coordinate_descent", "eval.fair_records"):
         climbing = sorted(m for m in imported(modules[name], modules) if m.split(".")[0] == "trainer")
         assert not climbing, (name, climbing)
     assert not (REPO / "hydra_plugins" / "__init__.py").exists()

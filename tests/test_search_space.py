@@ -1,4 +1,5 @@
-"""Search spaces (eval/search_space.py) and the two shipped ones (conf/tuning/*.yaml)."""
+"""Search spaces (eval/search_space.py; read from config, eval/space_config.py) and the shipped ones
+(conf/tuning/*.yaml)."""
 from __future__ import annotations
 
 import copy
@@ -11,9 +12,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from eval.search_space import (
-    COMMON_DIMS, FAMILY_DICTS, SpaceError, extension_point, lr_space, parity_problems, parse_space, refine_points,
-    space_dict, trial_overrides,
+    COMMON_DIMS, FAMILY_DICTS, SpaceError, extension_point, parity_problems, refine_points, space_dict, trial_overrides,
 )
+from eval.space_config import lr_space, parse_space
 from tests.conftest import REPO, compose
 
 

@@ -25,8 +25,9 @@ from typing import Any, Callable, Optional
 from eval.coordinate_descent import CoordinateDescent
 from eval.fair_records import CRASHED, DIVERGED, OK, TUNE_KEY, Entry, StudyError, read_index, run_id, write_index
 from eval.run_records import compress, write_record
-from eval.search_space import lr_space, parse_space, trial_overrides
-from scripts.fair_plan import Plan, run_overrides, run_steps
+from eval.search_space import trial_overrides
+from eval.space_config import lr_space, parse_space
+from scripts.fair.plan import Plan, run_overrides, run_steps
 
 class StudyRunner:
     def __init__(self, plan_path: str, config: Any, launcher: Any) -> None:
@@ -45,7 +46,7 @@ class StudyRunner:
     # ---- the stages ----
 
     def run(self) -> list[Any]:
-        if self.plan.chosen:  # a rerun of a tuned study's choice (scripts/fair_rerun.py): finals only
+        if self.plan.chosen:  # a rerun of a tuned study's choice (scripts/fair/rerun.py): finals only
             chosen = {side: by_budget["1"] for side, by_budget in self.plan.chosen.items()}
             lrs = {(side, float(b)): values["lr"] for side, by_budget in self.plan.chosen.items()
                    for b, values in by_budget.items()}

@@ -34,7 +34,7 @@ def largest_dense_rung(root: Path = LADDER) -> Optional[Path]:
     """The ladder's dense study with the most non-embedding parameters, None if it has none."""
     import json
 
-    from scripts.fair_ladder import model_params, study_dirs
+    from scripts.fair.ladder import model_params, study_dirs
 
     dense = []
     for path in study_dirs(root):

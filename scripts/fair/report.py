@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.fair_records import OK, TUNE_KEY, Entry, StudyData, final_loss
+from eval.fair_records import OK, TUNE_KEY, Entry, StudyData, chosen_settings, final_loss
 from eval.speedup import Comparison, Side, compare_splits, isotonic_decreasing, mean
 
 
@@ -43,13 +43,9 @@ def trials_by_ordinal(entries: list[Entry]) -> tuple[np.ndarray, np.ndarray | No
 
 
 def chosen_values(data: StudyData, side: str) -> dict[float, dict[str, float]]:
-    """Each budget's settings of `side`, as its final runs used them."""
-    out = {}
-    for b in data.plan["compare"]["budgets"]:
-        runs = data.of("final", side, b)
-        if runs:
-            out[b] = runs[0].values
-    return out
+    """Each budget's settings of `side`, in the plan's order of budgets."""
+    chosen = chosen_settings(data.entries, side)
+    return {b: chosen[b] for b in data.plan["compare"]["budgets"] if b in chosen}
 
 
 def side_inputs(data: StudyData, side: str, split: str) -> Side:

@@ -28,7 +28,7 @@ import numpy as np
 
 from eval.fair_records import PLAN_FILE, RECORDS, REPORT, StudyData, StudyError, load_study
 from eval.speedup import Comparison
-from scripts.fair_report import comparisons, ratio_text, write_report
+from scripts.fair.report import comparisons, ratio_text, write_report
 
 LADDER_BEGIN = "<!-- fair ladder: begin (scripts/fair_compare.py --report lab/results/fair --page ...) -->"
 LADDER_END = "<!-- fair ladder: end -->"

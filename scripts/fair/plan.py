@@ -53,7 +53,7 @@ class Plan:
     format: int = PLAN_FORMAT
     notes: list[str] = field(default_factory=list)
     # {side: {budget ("1", "1.5", ...): the settings}}: a rerun of a tuned study's choice
-    # (scripts/fair_rerun.py), which runs the final stage only; empty for a study that tunes.
+    # (scripts/fair/rerun.py), which runs the final stage only; empty for a study that tunes.
     chosen: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
@@ -205,7 +205,8 @@ def check_train_overrides(overrides: list[str], dim_keys: set[str]) -> None:
 
 def parsed_spaces(study: dict) -> dict:
     """{side: Space} of the study's two sides, and their parity; PlanError in one line."""
-    from eval.search_space import SpaceError, parity_problems, parse_space
+    from eval.search_space import SpaceError, parity_problems
+    from eval.space_config import parse_space
 
     spaces = {}
     for side in (study["target"], study["baseline"]):
@@ -223,7 +224,7 @@ def start_from(study: dict) -> list[str]:
     """tuning.start_from: each side's dims start at the 1x choice of that earlier study (the rung
     below, on a ladder of sizes), their grids the same shape around it. Changes study["spaces"]
     in place; returns the plan's notes. The plan then holds the moved inits, so it reads alone."""
-    from eval.fair_records import StudyError, read_index, records_dir
+    from eval.fair_records import StudyError, chosen_settings, read_index, records_dir
     from eval.search_space import SPACE_FIELDS
 
     source = study["tuning"].get("start_from")
@@ -234,7 +235,7 @@ def start_from(study: dict) -> list[str]:
     except StudyError as err:
         raise PlanError(f"tuning.start_from={source}: {err}") from err
     for side in (study["target"], study["baseline"]):
-        chosen = next((e.values for e in entries if e.stage == "final" and e.side == side and e.budget == 1.0), None)
+        chosen = chosen_settings(entries, side).get(1.0)
         if chosen is None:
             raise PlanError(f"tuning.start_from={source}: no final run of {side} at 1x there (a study's 1x choice "
                             "is recorded once its tuning is done)")
@@ -331,7 +332,7 @@ def build_plan(name: str, study: dict, command_train: list[str]) -> Plan:
     """The checked plan of a study (PlanError in one line), before anything is written."""
     from omegaconf import OmegaConf
 
-    from eval.search_space import parse_space
+    from eval.space_config import parse_space
 
     check_settings(study)
     notes = start_from(study)
@@ -377,7 +378,8 @@ def probe_step_seconds(plan: Plan, side: str, steps: int = 3) -> float:
     nothing written)."""
     import torch
 
-    from eval.search_space import parse_space, trial_overrides
+    from eval.search_space import trial_overrides
+    from eval.space_config import parse_space
     from optim.builder import build_optimizer
     from parallel.mesh import Mesh
     from trainer.build import build_model
@@ -435,7 +437,7 @@ def estimate_seconds(plan: Plan, step_s: dict[str, float]) -> dict[str, float]:
 
 def plan_lines(plan: Plan, seconds: Optional[dict[str, float]] = None) -> list[str]:
     """The plan as --dry-run prints it."""
-    from eval.search_space import parse_space
+    from eval.space_config import parse_space
 
     c, t, b = plan.compare, plan.tuning, plan.budget_per_side
     lines = [f"study {plan.name}: {plan.target} (target) against {plan.baseline} (baseline), model "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from scripts.fair_plan import (CONF, Plan, PlanError, base_config, check_train_overrides, override_key,
+from scripts.fair.plan import (CONF, Plan, PlanError, base_config, check_train_overrides, override_key,
                                run_overrides, seed_list)
 
 
@@ -22,8 +22,9 @@ def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str
     """The plan of a rerun of `source`'s choice (PlanError in one line, before anything runs)."""
     import yaml
 
-    from eval.fair_records import PLAN_FILE, StudyError, read_index, records_dir
-    from eval.search_space import parse_space, trial_overrides
+    from eval.fair_records import PLAN_FILE, StudyError, chosen_settings, read_index, records_dir
+    from eval.search_space import trial_overrides
+    from eval.space_config import parse_space
     from trainer.config import ConfigError, register_configs
     from trainer.run.preflight import check_config, compose
 
@@ -49,8 +50,7 @@ def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str
     if reused:
         raise PlanError(f"compare.seeds: seed {reused[0]} was one of {source}'s; a rerun needs fresh seeds")
     entries = read_index(records)
-    chosen = {side: {f"{e.budget:g}": dict(e.values) for e in entries if e.stage == "final" and e.side == side}
-              for side in old.sides}
+    chosen = {side: {f"{b:g}": values for b, values in chosen_settings(entries, side).items()} for side in old.sides}
     for side in old.sides:
         for budget in old.compare["budgets"]:
             if f"{budget:g}" not in chosen[side]:
