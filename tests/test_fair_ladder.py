@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from eval.speedup import Comparison, Ratio
-from scripts.fair.ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend
+from scripts.fair.ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend, trend_line
 from tests.conftest import REPO
 from tests.prestarted import run_python
 
@@ -45,6 +46,29 @@ def test_the_trends_interval_resamples_each_rung_apart_and_leaves_the_moe_out():
     assert t.lo == pytest.approx(0.5) and t.hi == pytest.approx(2.0)
     assert 0.6 < t.p_no_decline < 0.9  # slope >= 0 in 3 of the 4 pairings
     assert trend(rungs[:1] + rungs[2:], "val/val/loss", 99, 0) is None  # one dense size: no line
+
+
+def test_a_rung_beyond_its_budgets_enters_at_its_bound_and_makes_the_factor_a_bound():
+    """AdamW never reached Muon's loss at the largest rung ("> 2x"): it enters at 2, so 1, 2
+    over one decade is x2 per 10x, and a larger true speedup could only steepen it: at least
+    x2. The same bound at the smallest rung could only flatten the line: at most; a '<' there
+    pulls the same way as a '>' at the top, and one at each end leaves the factor unbounded."""
+    def censored(params: int, value: float, bound: str) -> Rung:
+        r = rung(params, value, (value,) * 4)
+        r.results["val/val/loss"] = replace(r.results["val/val/loss"], ratio=Ratio(value, bound))
+        return r
+
+    top = trend([rung(10 ** 6, 1.0, (1.0,) * 4), censored(10 ** 7, 2.0, ">")], "val/val/loss", 99, 0)
+    assert top.factor == pytest.approx(2.0) and top.bound == ">" and top.bounded_rungs == 1
+    assert "x2.00 or more per 10x" in trend_line(top) and "1 of them a bound" in trend_line(top)
+    bottom = trend([censored(10 ** 6, 2.0, ">"), rung(10 ** 7, 1.0, (1.0,) * 4)], "val/val/loss", 99, 0)
+    assert bottom.factor == pytest.approx(0.5) and bottom.bound == "<" and "x0.50 or less" in trend_line(bottom)
+    low = trend([censored(10 ** 6, 0.5, "<"), rung(10 ** 7, 1.0, (1.0,) * 4)], "val/val/loss", 99, 0)
+    assert low.bound == ">"
+    both = trend([censored(10 ** 6, 2.0, ">"), censored(10 ** 7, 2.0, ">")], "val/val/loss", 99, 0)
+    assert both.bound == "?" and "neither bound" in trend_line(both)
+    exact = trend([rung(10 ** 6, 1.0, (1.0,) * 4), rung(10 ** 7, 2.0, (2.0,) * 4)], "val/val/loss", 99, 0)
+    assert exact.bound == "=" and "or more" not in trend_line(exact)
 
 
 def test_non_embedding_parameters_leave_out_the_embedding_and_head_and_count_active_experts():

@@ -14,7 +14,10 @@ The trend is a least-squares line of log(speedup) against log10(non-embedding pa
 the dense rungs; exp(slope) is the factor the speedup gains per 10x parameters. Its interval
 resamples each rung's bootstrap replicates independently (the rungs are separate experiments,
 with their own seeds and tuning); a replicate beyond a rung's budgets enters at its bound, and
-the share of those is printed. Three sizes fit a line, not a curve: the trend is a summary of
+the share of those is printed. A rung whose estimate itself lies beyond its budgets (AdamW never
+reached Muon's loss: "> 2.00x") enters at that bound too, so the fitted factor is a bound: at
+least that when the censored rungs all push the slope up (a '>' above the mean size, a '<'
+below it), at most that when they all push it down. Three sizes fit a line, not a curve: the trend is a summary of
 the sizes run, not a law.
 """
 from __future__ import annotations
@@ -65,6 +68,9 @@ class Trend:
     hi: float
     p_no_decline: float             # one-sided: (1 + #{slope_r >= 0}) / (R + 1)
     at_bound: float                 # the share of rung replicates that entered at a bound
+    bound: str = "="                # "=", or ">"/"<" when censored rung estimates make the factor
+                                    # a lower/upper bound, "?" when they pull both ways
+    bounded_rungs: int = 0          # dense rungs whose estimate is itself a bound
 
 
 def study_dirs(root: Path) -> list[Path]:
@@ -121,7 +127,12 @@ def trend(rungs: list[Rung], split: str, replicates: int, seed: int) -> Optional
     def slopes(y: np.ndarray) -> np.ndarray:  # y: [..., rungs]
         return (y - y.mean(axis=-1, keepdims=True)) @ xc / float(xc @ xc)
 
-    point = float(slopes(np.array([math.log(r.results[split].ratio.as_float()) for r in dense])))
+    point = float(slopes(np.array([math.log(r.results[split].ratio.value) for r in dense])))
+    # A censored estimate enters at its bound; raising a '>' rung above the mean size (or a '<'
+    # rung below it) could only raise the slope, so the factor is then a lower bound.
+    pushes = {1 if (r.results[split].ratio.bound == ">") == (xi > 0) else -1
+              for r, xi in zip(dense, xc) if r.results[split].ratio.censored}
+    bound = "=" if not pushes else "?" if len(pushes) > 1 else ">" if pushes == {1} else "<"
     rng = np.random.default_rng([seed, 1])
     draws, bounded = [], 0
     for r in dense:
@@ -134,17 +145,25 @@ def trend(rungs: list[Rung], split: str, replicates: int, seed: int) -> Optional
     rank = max(1, math.floor(0.025 * (replicates + 1)))
     return Trend(split, len(dense), math.exp(point), math.exp(float(sampled[rank - 1])),
                  math.exp(float(sampled[replicates - rank])),
-                 (1 + int(np.sum(sampled >= 0))) / (replicates + 1), bounded / (replicates * len(dense)))
+                 (1 + int(np.sum(sampled >= 0))) / (replicates + 1), bounded / (replicates * len(dense)),
+                 bound, sum(r.results[split].ratio.censored for r in dense))
 
 
 def params_text(n: int) -> str:
     return f"{n / 1e6:.2f}M"
 
 
+FACTOR_BOUND = {"=": "", ">": " or more", "<": " or less", "?": ""}
+
+
 def trend_line(t: Trend) -> str:
     """One line: the factor per 10x parameters, its interval and p-value, over how many sizes."""
-    return (f"{short(t.split)}: x{t.factor:.2f} per 10x non-embedding parameters (95% interval x{t.lo:.2f} to "
-            f"x{t.hi:.2f}; p(no decline) = {t.p_no_decline:.4f}; {t.rungs} dense sizes"
+    sizes = f"{t.rungs} dense sizes"
+    if t.bounded_rungs:
+        sizes += (f", {t.bounded_rungs} of them a bound" +
+                  (" pulling both ways, so the factor is neither bound" if t.bound == "?" else ""))
+    return (f"{short(t.split)}: x{t.factor:.2f}{FACTOR_BOUND[t.bound]} per 10x non-embedding parameters "
+            f"(95% interval x{t.lo:.2f} to x{t.hi:.2f}; p(no decline) = {t.p_no_decline:.4f}; {sizes}"
             + (f"; {t.at_bound:.1%} of replicates at a budget's bound" if t.at_bound else "") + ")")
 
 
@@ -210,19 +229,23 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
                 continue
             c = r.results[k]
             x = r.active * (1 + 0.03 * (i - (len(splits) - 1) / 2))  # side by side, not on top
-            y = c.ratio.as_float()
-            err = [[y - c.lo.as_float()], [c.hi.as_float() - y]] if c.lo is not None else None
-            ax.errorbar([x], [y], yerr=err, fmt="s" if r.experts else "o", color=colours.get(k, "grey"), capsize=3,
+            y = c.ratio.value  # a censored estimate or interval end at its bound, drawn as an arrow
+            err = [[y - c.lo.value], [c.hi.value - y]] if c.lo is not None else None
+            marker = {">": "^", "<": "v"}.get(c.ratio.bound, "s" if r.experts else "o")
+            ax.errorbar([x], [y], yerr=err, fmt=marker, color=colours.get(k, "grey"), capsize=3,
                         mfc="white" if r.experts else colours.get(k, "grey"),
                         label=short(k) if r is rungs[0] else None)
+            for end, bound, caret in ((c.hi, ">", "^"), (c.lo, "<", "v")):  # an interval end beyond the budgets
+                if end is not None and end.bound == bound:
+                    ax.plot([x], [end.value], caret, color=colours.get(k, "grey"), ms=7)
     for t in trends:
         dense = [r for r in rungs if not r.experts and t.split in r.results]
         xs = np.array([min(r.params for r in dense), max(r.params for r in dense)])
         centre = np.mean([math.log10(r.params) for r in dense])
-        mid = np.mean([math.log(r.results[t.split].ratio.as_float()) for r in dense])
+        mid = np.mean([math.log(r.results[t.split].ratio.value) for r in dense])
         ys = np.exp(mid + math.log(t.factor) * (np.log10(xs) - centre))
         ax.plot(xs, ys, "--", color=colours.get(t.split, "grey"), lw=1,
-                label=f"{short(t.split)} trend: x{t.factor:.2f} per 10x")
+                label=f"{short(t.split)} trend: x{t.factor:.2f}{FACTOR_BOUND[t.bound]} per 10x")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -231,7 +254,7 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
     ax.set_ylim(low, high)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2gx"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("non-embedding parameters (MoE, open square: active)")
+    ax.set_xlabel("non-embedding parameters (MoE, open square: active; triangle: a bound)")
     ax.set_ylabel("speedup of Muon over AdamW (tokens)")
     ax.set_title("Muon against AdamW, both tuned alike")
     ax.legend(fontsize=8)
