@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_study(plan: Plan, out: Path, launch: list[str], rerun_of: Path | None = None) -> int:
     """Train (or resume) the study in `out` through train.py's Hydra sweep, then report."""
-    from eval.fair_records import PLAN_FILE, RECORDS, RUNS, write_plan
+    from eval.fair.records import PLAN_FILE, RECORDS, RUNS, write_plan
     from trainer.run.lock import RunLocked, claim
 
     records = out / RECORDS
@@ -142,7 +142,7 @@ def run_train_py(argv: list[str]) -> int:
 
 
 def report(study: Path, out: Path | None, pages: list[Path] = ()) -> int:
-    from eval.fair_records import REPORT, StudyError, load_study
+    from eval.fair.records import REPORT, StudyError, load_study
     from scripts.fair.ladder import is_ladder, write_ladder
     from scripts.fair.report import write_report
 

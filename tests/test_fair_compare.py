@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.fair_records import INDEX_FILE, PLAN_FILE, load_study, read_index, run_id, write_index
+from eval.fair.records import INDEX_FILE, PLAN_FILE, load_study, read_index, run_id, write_index
 from tests.conftest import REPO
 from tests.prestarted import run_python
 
@@ -129,7 +129,7 @@ def test_a_rung_starts_at_the_choice_of_the_study_below_and_holds_the_dims_it_do
     """tuning.start_from moves every dim's init to that study's 1x choice, the grid the same shape
     around it; tuning.dims keeps those dims tuned and holds the rest there, as fixed overrides that
     a run composes (the plan composes its corners as train.py would)."""
-    from eval.space_config import parse_space
+    from eval.fair.space_config import parse_space
     from scripts.fair.plan import build_plan, compose_study
 
     out, _ = study
@@ -260,7 +260,7 @@ def test_a_batch_dimension_keeps_each_runs_tokens():
     every trial of a budget trains the same tokens."""
     from types import SimpleNamespace
 
-    from eval.space_config import parse_space
+    from eval.fair.space_config import parse_space
     from scripts.fair.plan import run_steps
 
     space = parse_space("adamw", {"optimizer": "adamw", "fixed": {},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.speedup import Comparison, Ratio
+from eval.fair.speedup import Comparison, Ratio
 from scripts.fair.ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend, trend_line
 from tests.conftest import REPO
 from tests.prestarted import run_python

@@ -134,11 +134,11 @@ def test_the_checks_see_an_arrow_and_a_cycle(tmp_path):
 
 
 def test_the_fair_studys_pieces_sit_where_the_package_order_puts_them():
-    """The statistics, the search spaces, the tuner and the records are eval/ (below trainer/);
+    """The statistics, the search spaces, the tuner and the records are eval/fair/ (below trainer/);
     the sweeper plugin is found by Hydra beside the installed launchers (hydra_plugins/ holds no
     __init__.py of its own, which would hide theirs)."""
     modules = project_modules()
-    for name in ("eval.speedup", "eval.search_space", "eval.space_config", "eval.coordinate_descent", "eval.fair_records"):
+    for name in ("eval.fair.speedup", "eval.fair.search_space", "eval.fair.space_config", "eval.fair.coordinate_descent", "eval.fair.records"):
         climbing = sorted(m for m in imported(modules[name], modules) if m.split(".")[0] == "trainer")
         assert not climbing, (name, climbing)
     assert not (REPO / "hydra_plugins" / "__init__.py").exists()

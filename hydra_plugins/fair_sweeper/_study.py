@@ -1,14 +1,14 @@
 """The stages of a fair study, run by hydra/sweeper=fair (fair_sweeper.py) through Hydra's
 launcher. Each stage spends the same runs and tokens on both sides, by construction:
 
-1. tune: one coordinate descent per side (eval/coordinate_descent.py), in lockstep, each of
+1. tune: one coordinate descent per side (eval/fair/coordinate_descent.py), in lockstep, each of
    exactly tuning.trials trials at the 1x budget, scored on the tuning split (val/tune/loss) on
    the tuning seeds;
 2. retune: each side's lr searched again around its choice at every budget but 1x, with the
    same number of trials on both sides;
 3. final: each side's choice at every budget, once per fresh seed, reported on val and OOD.
 
-Every run is recorded (records/, eval/fair_records.py) as it ends, whether it finished, diverged
+Every run is recorded (records/, eval/fair/records.py) as it ends, whether it finished, diverged
 or crashed. The engines are deterministic, so a study run again replays them: a run already
 recorded, or finished in its run dir, is taken from there, and only the rest is launched.
 """
@@ -22,11 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from eval.coordinate_descent import CoordinateDescent
-from eval.fair_records import CRASHED, DIVERGED, OK, TUNE_KEY, Entry, StudyError, read_index, run_id, write_index
+from eval.fair.coordinate_descent import CoordinateDescent
+from eval.fair.records import CRASHED, DIVERGED, OK, TUNE_KEY, Entry, StudyError, read_index, run_id, write_index
 from eval.run_records import compress, write_record
-from eval.search_space import trial_overrides
-from eval.space_config import lr_space, parse_space
+from eval.fair.search_space import trial_overrides
+from eval.fair.space_config import lr_space, parse_space
 from scripts.fair.plan import Plan, run_overrides, run_steps
 
 class StudyRunner:

@@ -17,8 +17,8 @@ with their own seeds and tuning); a replicate beyond a rung's budgets enters at 
 the share of those is printed. A rung whose estimate itself lies beyond its budgets (AdamW never
 reached Muon's loss: "> 2.00x") enters at that bound too, so the fitted factor is a bound: at
 least that when the censored rungs all push the slope up (a '>' above the mean size, a '<'
-below it), at most that when they all push it down. Three sizes fit a line, not a curve: the trend is a summary of
-the sizes run, not a law.
+below it), at most that when they all push it down. Three sizes fit a line, not a curve: the
+trend is a summary of the sizes run, not a law.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from eval.fair_records import PLAN_FILE, RECORDS, REPORT, StudyData, StudyError, load_study
-from eval.speedup import Comparison
+from eval.fair.records import PLAN_FILE, RECORDS, REPORT, StudyData, StudyError, load_study
+from eval.fair.speedup import Comparison
 from scripts.fair.report import comparisons, ratio_text, write_report
 
 LADDER_BEGIN = "<!-- fair ladder: begin (scripts/fair_compare.py --report lab/results/fair --page ...) -->"

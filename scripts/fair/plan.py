@@ -205,8 +205,8 @@ def check_train_overrides(overrides: list[str], dim_keys: set[str]) -> None:
 
 def parsed_spaces(study: dict) -> dict:
     """{side: Space} of the study's two sides, and their parity; PlanError in one line."""
-    from eval.search_space import SpaceError, parity_problems
-    from eval.space_config import parse_space
+    from eval.fair.search_space import SpaceError, parity_problems
+    from eval.fair.space_config import parse_space
 
     spaces = {}
     for side in (study["target"], study["baseline"]):
@@ -224,8 +224,8 @@ def start_from(study: dict) -> list[str]:
     """tuning.start_from: each side's dims start at the 1x choice of that earlier study (the rung
     below, on a ladder of sizes), their grids the same shape around it. Changes study["spaces"]
     in place; returns the plan's notes. The plan then holds the moved inits, so it reads alone."""
-    from eval.fair_records import StudyError, chosen_settings, read_index, records_dir
-    from eval.search_space import SPACE_FIELDS
+    from eval.fair.records import StudyError, chosen_settings, read_index, records_dir
+    from eval.fair.search_space import SPACE_FIELDS
 
     source = study["tuning"].get("start_from")
     if not source:
@@ -252,7 +252,7 @@ def start_from(study: dict) -> list[str]:
 def hold_dims(study: dict, spaces: dict) -> tuple[dict, list[str]]:
     """tuning.dims: the dims both sides tune; every other dim is held at its init, as fixed
     overrides. Returns the spaces' config nodes so reduced, and the plan's notes."""
-    from eval.search_space import held_overrides
+    from eval.fair.search_space import held_overrides
 
     names = study["tuning"].get("dims")
     nodes = {side: study["spaces"][side] for side in spaces}
@@ -290,7 +290,7 @@ def check_runs_compose(study: dict, spaces: dict, train: list[str]) -> None:
     """Compose and check, as train.py would, the two corners of each side's grids (every
     dimension at its lowest point, then at its highest): a value a run would refuse stops the
     study here, named by its side (the checks are ranges, so the corners hold every point)."""
-    from eval.search_space import trial_overrides
+    from eval.fair.search_space import trial_overrides
     from trainer.config import ConfigError, register_configs
     from trainer.run.preflight import check_config, compose
 
@@ -332,7 +332,7 @@ def build_plan(name: str, study: dict, command_train: list[str]) -> Plan:
     """The checked plan of a study (PlanError in one line), before anything is written."""
     from omegaconf import OmegaConf
 
-    from eval.space_config import parse_space
+    from eval.fair.space_config import parse_space
 
     check_settings(study)
     notes = start_from(study)
@@ -378,8 +378,8 @@ def probe_step_seconds(plan: Plan, side: str, steps: int = 3) -> float:
     nothing written)."""
     import torch
 
-    from eval.search_space import trial_overrides
-    from eval.space_config import parse_space
+    from eval.fair.search_space import trial_overrides
+    from eval.fair.space_config import parse_space
     from optim.builder import build_optimizer
     from parallel.mesh import Mesh
     from trainer.build import build_model
@@ -437,7 +437,7 @@ def estimate_seconds(plan: Plan, step_s: dict[str, float]) -> dict[str, float]:
 
 def plan_lines(plan: Plan, seconds: Optional[dict[str, float]] = None) -> list[str]:
     """The plan as --dry-run prints it."""
-    from eval.space_config import parse_space
+    from eval.fair.space_config import parse_space
 
     c, t, b = plan.compare, plan.tuning, plan.budget_per_side
     lines = [f"study {plan.name}: {plan.target} (target) against {plan.baseline} (baseline), model "

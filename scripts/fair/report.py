@@ -1,5 +1,5 @@
 """The report of a fair study (scripts/fair_compare.py), made from its records alone
-(eval/fair_records.py): the same records give the same report, byte for byte, on any machine
+(eval/fair/records.py): the same records give the same report, byte for byte, on any machine
 (the bootstrap is seeded, numbers are rounded as printed, no path or clock is written).
 
     comparison.md    the budgets spent (equal on both sides), the speedup on val and each OOD
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.fair_records import OK, TUNE_KEY, Entry, StudyData, chosen_settings, final_loss
-from eval.speedup import Comparison, Side, compare_splits, isotonic_decreasing, mean
+from eval.fair.records import OK, TUNE_KEY, Entry, StudyData, chosen_settings, final_loss
+from eval.fair.speedup import Comparison, Side, compare_splits, isotonic_decreasing, mean
 
 
 def reported_splits(data: StudyData) -> list[str]:

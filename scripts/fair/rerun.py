@@ -22,9 +22,9 @@ def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str
     """The plan of a rerun of `source`'s choice (PlanError in one line, before anything runs)."""
     import yaml
 
-    from eval.fair_records import PLAN_FILE, StudyError, chosen_settings, read_index, records_dir
-    from eval.search_space import trial_overrides
-    from eval.space_config import parse_space
+    from eval.fair.records import PLAN_FILE, StudyError, chosen_settings, read_index, records_dir
+    from eval.fair.search_space import trial_overrides
+    from eval.fair.space_config import parse_space
     from trainer.config import ConfigError, register_configs
     from trainer.run.preflight import check_config, compose
 
@@ -93,7 +93,7 @@ def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str
 def copy_choice_records(source: Path, records: Path) -> None:
     """`source`'s tuning and retuning runs into `records` (their records and index lines), before
     this study's own; those already there are left as they are."""
-    from eval.fair_records import read_index, records_dir, write_index
+    from eval.fair.records import read_index, records_dir, write_index
 
     src = records_dir(source)
     have = read_index(records)
