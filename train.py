@@ -165,8 +165,10 @@ def main(cfg: DictConfig) -> float:
             log.warning(line)
         if Path(typed.checkpoint.resume) != Path(cfg.checkpoint.resume):  # a run dir: the checkpoint it names
             log.info("checkpoint.resume=%s: resuming from %s", cfg.checkpoint.resume, typed.checkpoint.resume)
-    # A simulation (parallel.simulate_world) leaves no checkpoint to resume from.
-    resume_line = None if simulating(typed) else f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
+    # A simulation (parallel.simulate_world) leaves no checkpoint to resume from; a study's run
+    # (logger.resume_hint=false) is resumed by the study's own command, which it prints.
+    resume_line = (f"to resume: {resume_command(USER_ARGV, run_dir, multirun)}"
+                   if typed.logger.resume_hint and not simulating(typed) else None)
     trainer: Trainer | None = None
     try:
         trainer = Trainer(typed, run_dir)

@@ -364,9 +364,12 @@ def main() -> None:
 
     try:
         loaded = [load_run(p) for arg in args.runs for p in find_runs(arg)]
-        longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
     except FileNotFoundError as err:  # a path with no runs under it
         refuse(str(err))
+    try:
+        longer_runs = [load_run(p) for arg in args.longer for p in find_runs(arg)]
+    except FileNotFoundError as err:
+        refuse(f"--longer {err}")
     # A run still going (or stopped early) would enter the tables as a shorter schedule.
     unfinished = [run.unfinished() for run in loaded + longer_runs if run.unfinished()]
     for reason in unfinished:

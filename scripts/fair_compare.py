@@ -1,8 +1,8 @@
 """A Muon-vs-AdamW comparison that is fair by construction: tune, compare, report.
 
-    python scripts/fair_compare.py --dry-run                      # the plan and its time, nothing run
+    python scripts/fair_compare.py --dry-run                      # the plan at once, then its time here
     python scripts/fair_compare.py --out outputs/fair/small       # the study (run again: it resumes)
-    python scripts/fair_compare.py --smoke --out /tmp/smoke       # the whole machinery on gpt_tiny, minutes
+    python scripts/fair_compare.py --smoke --out /tmp/smoke       # the whole machinery on gpt_tiny, a minute
     python scripts/fair_compare.py --report outputs/fair/small    # the report again, from records/ alone
     python scripts/fair_compare.py --report lab/results/fair --page lab/results.md   # a ladder of studies
     python scripts/fair_compare.py model=moe_small tuning.trials=64 hydra/launcher=slurm
@@ -19,115 +19,114 @@
 
 Overrides of the study's keys (target, baseline, train, tuning, compare, stats, spaces: see
 conf/study/fair.yaml) configure the study; any other goes to every run, as to train.py (model=,
-data.*, trainer.*, +experiment=), and hydra/launcher=... picks where runs go. Every run is
-recorded under STUDY/records/ (scripts/record_runs.py's format, to commit) as it ends; a study
-run again takes what is recorded and runs the rest. Bad input is one line and exit 2, before
-anything trains.
+data.*, trainer.*, +experiment=), and hydra/launcher=... picks where runs go. The study lives in
+study/ (its driver: study/driver.py). Every run is recorded under STUDY/records/ as it ends; a
+study run again takes what is recorded and runs the rest. Bad input is one line and exit 2,
+before anything trains; Ctrl-C stops the study and prints the line that resumes it.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import runpy
 import sys
 import time
-from pathlib import Path
 
-from data.quiet_imports import quiet_library_noise
-from scripts import REPO
-from scripts.fair.plan import (PlanError, Plan, build_plan, compose_study, estimate_seconds, plan_lines,
-                               probe_step_seconds, route)
-from scripts.fair.rerun import copy_choice_records, rerun_plan
-from scripts.refuse import refuse
+STARTED = time.monotonic()  # the dry run counts this command's own start in the study's time
 
-# What a study must share with the records already in its dir to go on there: changed, the runs
-# recorded would not be the runs this plan asks for.
-IDENTITY = ("target", "baseline", "train", "spaces", "tokens_per_step", "model", "data")
-# Each run's INFO lines go to its train.log only; the terminal gets a line per run ([fair]) and
-# the runs' warnings.
-QUIET = ["+hydra.job_logging.handlers.console.level=WARNING", "hydra.hydra_logging.root.level=WARNING"]
+from trainer.run.interrupts import install_start_up_handler  # noqa: E402
+
+install_start_up_handler()  # Ctrl-C while torch loads or the plan is built: exit 130, no traceback
+
+# The imports below come after the handler: importing torch alone takes seconds.
+import argparse  # noqa: E402
+import os  # noqa: E402
+import runpy  # noqa: E402
+import shlex  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from data.quiet_imports import quiet_library_noise  # noqa: E402
+from scripts import REPO  # noqa: E402
+from scripts.refuse import refuse  # noqa: E402
+from study.checks import PlanError, compose_study, route  # noqa: E402
+from study.driver import check_out, report, run_study  # noqa: E402
+from study.plan import build_plan, plan_lines  # noqa: E402
+from study.records import StudyError  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="study keys (tuning.trials=64) and train.py overrides")
-    parser.add_argument("--out", type=Path, help="the study dir (default outputs/fair/<date-time>)")
+    parser.add_argument("--out", type=Path, help="the study dir (default outputs/fair/<date-time>, in the working dir)")
     parser.add_argument("--smoke", action="store_true", help="conf/study/smoke.yaml: gpt_tiny, a few steps a run")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and its time here; run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, then time a run here; train nothing "
+                        "of the study")
     parser.add_argument("--rerun", type=Path, metavar="STUDY", help="run STUDY's chosen settings again on fresh "
-                        "seeds (compare.seeds=[...]) with the overrides given, finals only (scripts/fair/rerun.py)")
+                        "seeds (compare.seeds=[...]) with the overrides given, finals only (study/rerun.py)")
     parser.add_argument("--report", type=Path, metavar="STUDY", help="make STUDY's report again from its records "
-                        "(a dir of studies: every report, and the ladder across them: scripts/fair/ladder.py)")
+                        "(a dir of studies: every report, and the ladder across them: study/ladder.py)")
     parser.add_argument("--page", type=Path, action="append", default=[], metavar="FILE",
                         help="with --report on a ladder: rewrite FILE's ladder block with its headline table")
     return parser.parse_intermixed_args(argv)
 
 
+def resume_command(argv: list[str], out: Path) -> str:
+    """The command that resumes this study: the one given, with its dir pinned by --out."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            args.append(arg)
+    return shlex.join(["python", sys.argv[0] if sys.argv[0].endswith(".py") else "scripts/fair_compare.py",
+                       *args, "--out", str(out)])
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_library_noise()
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.page and args.report is None:
-        refuse("--page needs --report DIR, DIR a dir of studies")
-    if args.report is not None:
-        return report(args.report, args.out, args.page)
-    name = "smoke" if args.smoke else "fair"
-    study_overrides, train_overrides = route(args.overrides)
-    launch = [o for o in train_overrides if o.lstrip("+~").startswith("hydra")]
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     try:
+        if args.page and args.report is None:
+            raise PlanError("--page needs --report DIR, DIR a dir of studies")
+        if args.report is not None:
+            return report(args.report, args.out, args.page)
+        out = (args.out or Path("outputs") / "fair" / time.strftime("%Y-%m-%d_%H-%M-%S")).absolute()
+        if not args.dry_run:
+            check_out(out)
+        name = "smoke" if args.smoke else "fair"
+        study_overrides, train_overrides = route(args.overrides)
+        launch = [o for o in train_overrides if o.lstrip("+~").startswith("hydra")]
         if args.rerun is not None:
+            from study.rerun import rerun_plan
+
             if args.smoke:
                 raise PlanError("--smoke and --rerun: a rerun takes everything but its seeds from the study it reruns")
             plan = rerun_plan(args.rerun, study_overrides, [o for o in train_overrides if o not in launch])
         else:
-            study = compose_study(name, study_overrides)
-            plan = build_plan(name, study, [o for o in train_overrides if o not in launch])
-    except PlanError as err:
+            plan = build_plan(name, compose_study(name, study_overrides), [o for o in train_overrides if o not in launch])
+        if args.dry_run:
+            return dry_run(plan, launch)
+        return run_study(plan, out, launch, run_train_py, resume_command(argv, out), args.rerun)
+    except (PlanError, StudyError, FileNotFoundError) as err:
         refuse(str(err))
-    if args.dry_run:
-        seconds = estimate_seconds(plan, {side: probe_step_seconds(plan, side) for side in plan.sides})
-        print("\n".join(plan_lines(plan, seconds)))
-        return 0
-    out = args.out or REPO / "outputs" / "fair" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    return run_study(plan, out.resolve(), launch, args.rerun)
 
 
-def run_study(plan: Plan, out: Path, launch: list[str], rerun_of: Path | None = None) -> int:
-    """Train (or resume) the study in `out` through train.py's Hydra sweep, then report."""
-    from eval.fair.records import PLAN_FILE, RECORDS, RUNS, write_plan
-    from trainer.run.lock import RunLocked, claim
+def dry_run(plan, launch: list[str]) -> int:
+    """The plan at once; then its time here, from real runs where the runs would run here."""
+    from study.estimate import dry_run_lines
 
-    records = out / RECORDS
-    earlier = records / PLAN_FILE
-    if earlier.is_file():
-        old = Plan.from_json(earlier.read_text())
-        changed = next((key for key in IDENTITY if getattr(old, key) != getattr(plan, key)), None)
-        if changed is not None:
-            refuse(f"{out} holds a study with another {changed}; give this one another --out")
-    try:
-        lock = claim(out)
-    except RunLocked as err:
-        refuse(str(err))
-    try:
-        print("\n".join(plan_lines(plan)), flush=True)
-        write_plan(records, plan.to_json())
-        if rerun_of is not None:
-            copy_choice_records(rerun_of, records)
-        argv = ["train.py", "-m", "hydra/sweeper=fair", f"hydra.sweeper.plan={earlier}",
-                f"hydra.sweep.dir={out / RUNS}", *QUIET, *launch, *plan.train]
-        code = run_train_py(argv)
-    finally:
-        if lock is not None:
-            lock.release()
-    if code:
-        print(f"training stopped (exit {code}); run the same command to resume: recorded runs are not run again",
-              file=sys.stderr)
-        return code
-    return report(out, None)
+    print("\n".join(plan_lines(plan)), flush=True)
+    start_s = time.monotonic() - STARTED
+    remote = any(o.split("=", 1)[0] == "hydra/launcher" and not o.endswith("=local") for o in launch)
+    lines = dry_run_lines(plan, None if remote else run_train_py, lambda line: print(f"[dry run] {line}", flush=True),
+                          start_s)
+    print("\n".join(lines))
+    return 0
 
 
 def run_train_py(argv: list[str]) -> int:
     """train.py as `python train.py <argv>` would run it, in this process: its checks, then the
-    sweep. Returns its exit code."""
+    run or the sweep. Returns its exit code."""
     saved = sys.argv
     sys.argv = argv
     cwd = os.getcwd()
@@ -138,32 +137,6 @@ def run_train_py(argv: list[str]) -> int:
     finally:
         sys.argv = saved
         os.chdir(cwd)
-    return 0
-
-
-def report(study: Path, out: Path | None, pages: list[Path] = ()) -> int:
-    from eval.fair.records import REPORT, StudyError, load_study
-    from scripts.fair.ladder import is_ladder, write_ladder
-    from scripts.fair.report import write_report
-
-    if is_ladder(study):
-        if out is not None:
-            refuse(f"--out: a ladder's reports go beside their records, under {study}")
-        try:
-            lines = write_ladder(study, list(pages))
-        except (StudyError, FileNotFoundError) as err:
-            refuse(str(err))
-        print("\n".join(lines))
-        return 0
-    if pages:
-        refuse(f"--page: {study} is one study, not a dir of studies; only a ladder has a block to write")
-    try:
-        data = load_study(study)
-    except (StudyError, FileNotFoundError) as err:
-        refuse(str(err))
-    target = out or (study.parent if study.name == "records" else study) / REPORT
-    for line in write_report(data, target):
-        print(line)
     return 0
 
 

@@ -144,6 +144,23 @@ def hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
 
 
+# The smallest fair study that still has every stage (scripts/fair_compare.py): 2 tuning trials a
+# side, 1 lr retuning trial a side at each longer budget, 3 budgets, 2 fresh seeds: 20 runs of 4
+# to 8 steps. One is made per test session, for every test that reads a study's records.
+FAIR_SMALL = ["--smoke", "tuning.trials=2", "compare.retune.trials=1", "compare.steps=4"]
+
+
+@pytest.fixture(scope="session")
+def fair_study(tmp_path_factory) -> tuple[Path, str]:
+    """(the study dir, what the study printed): tests copy it before they change anything."""
+    from tests.prestarted import run_python
+
+    out = tmp_path_factory.mktemp("fair") / "study"
+    proc = run_python(["scripts/fair_compare.py", *FAIR_SMALL, "--out", str(out)], timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
 # Numeric comparisons (tests/closeness.py): how close each came to its tolerance.
 def _comparisons(config: pytest.Config) -> list:
     from tests import closeness

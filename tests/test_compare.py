@@ -301,6 +301,16 @@ def test_cli_refuses_longer_runs_of_another_optimizer(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --longer run") and "adamw" in proc.stderr
 
 
+def test_cli_names_a_longer_path_without_runs_as_longer(tmp_path):
+    write_run(tmp_path / "muon", "muon", 1e-3, [3.0, 2.0])
+    write_run(tmp_path / "adamw", "adamw", 1e-3, [3.0, 2.5])
+    proc = run_python(["scripts/compare_runs.py", str(tmp_path / "muon"), str(tmp_path / "adamw"),
+                       "--longer", str(tmp_path / "no_such"), "--out", str(tmp_path / "cmp")], timeout=120)
+    assert proc.returncode == 2 and not (tmp_path / "cmp").exists()
+    assert proc.stderr.splitlines() == [f"error: --longer {tmp_path / 'no_such'}: no runs (metrics.jsonl, "
+                                        "metrics.jsonl.gz or tb/) found here or below"]
+
+
 def compare(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return run_python(["scripts/compare_runs.py", *args, "--out", str(tmp_path / "cmp")], timeout=120)
 

@@ -1,4 +1,4 @@
-"""Coordinate descent with one budget per side (eval/fair/coordinate_descent.py), on fake objectives."""
+"""Coordinate descent with one budget per side (study/coordinate_descent.py), on fake objectives."""
 from __future__ import annotations
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import yaml
 
-from eval.fair.coordinate_descent import CoordinateDescent, Proposal, ReplayError, drive
-from eval.fair.search_space import Space, to_unit
-from eval.fair.space_config import parse_space
+from study.coordinate_descent import CoordinateDescent, Proposal, ReplayError, drive
+from study.search_space import Space, to_unit
+from study.space_config import parse_space
 from tests.conftest import REPO
 
 ADAMW, MUON = (parse_space(side, yaml.safe_load((REPO / "conf" / "tuning" / f"{side}.yaml").read_text()))

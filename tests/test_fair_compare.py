@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from eval.fair.records import INDEX_FILE, PLAN_FILE, load_study, read_index, run_id, write_index
-from tests.conftest import REPO
+from study.records import INDEX_FILE, PLAN_FILE, load_study, read_index, run_id, write_index
+from tests.conftest import FAIR_SMALL, REPO
 from tests.prestarted import run_python
 
 SCRIPT = "scripts/fair_compare.py"
-# The smallest study that still has every stage: 2 tuning trials a side, 1 lr retuning trial a
-# side at each longer budget, 3 budgets, 2 fresh seeds: 20 runs of 4 to 8 steps.
-SMALL = ["--smoke", "tuning.trials=2", "compare.retune.trials=1", "compare.steps=4"]
+SMALL = FAIR_SMALL
 REPORTS = ("comparison.md", "comparison.json", "trials.md", "chosen.md")
 
 
@@ -27,12 +25,9 @@ def fair(*args: str):
     return run_python([SCRIPT, *args], timeout=900)
 
 
-@pytest.fixture(scope="module")
-def study(tmp_path_factory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("fair") / "study"
-    proc = fair(*SMALL, "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout
+@pytest.fixture
+def study(fair_study) -> tuple[Path, str]:
+    return fair_study
 
 
 def test_both_sides_spend_equal_runs_and_tokens(study):
@@ -45,6 +40,11 @@ def test_both_sides_spend_equal_runs_and_tokens(study):
         if all(e.status == "ok" for e in a + b):
             assert sum(e.tokens_seen for e in a) == sum(e.tokens_seen for e in b), stage
     assert "tune done: 2 runs and 512 tokens per side (equal)" in stdout
+    # run k of N for every run, in order, with the study's clock
+    counted = [line.split(":", 1)[0] for line in stdout.splitlines() if line.startswith("[fair] run ")]
+    assert counted == [f"[fair] run {k} of 20" for k in range(1, 21)]
+    assert "about " in next(line for line in stdout.splitlines() if line.startswith("[fair] run 2 of 20"))
+    assert f"records: {out / 'records'}" in stdout and f"report: {out / 'report' / 'comparison.md'}" in stdout
     budget = json.loads((out / "report" / "comparison.json").read_text())["budget"]
     assert budget["muon"] == budget["adamw"]
 
@@ -85,6 +85,8 @@ def test_a_finished_study_trains_nothing_when_run_again(study):
     proc = fair(*SMALL, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[fair] done: 20 runs, 0 trained now, 20 taken from the records" in proc.stdout
+    assert "the records hold 20 runs: each one this plan asks for is taken from there" in proc.stdout
+    assert sum(1 for line in proc.stdout.splitlines() if line.endswith("(from the records)")) == 20
     assert {p: p.read_bytes() for p in (out / "records").rglob("*") if p.is_file()} == before
 
 
@@ -129,8 +131,9 @@ def test_a_rung_starts_at_the_choice_of_the_study_below_and_holds_the_dims_it_do
     """tuning.start_from moves every dim's init to that study's 1x choice, the grid the same shape
     around it; tuning.dims keeps those dims tuned and holds the rest there, as fixed overrides that
     a run composes (the plan composes its corners as train.py would)."""
-    from eval.fair.space_config import parse_space
-    from scripts.fair.plan import build_plan, compose_study
+    from study.space_config import parse_space
+    from study.checks import compose_study
+    from study.plan import build_plan
 
     out, _ = study
     chosen = {e.side: e.values for e in read_index(out / "records") if e.stage == "final" and e.budget == 1.0}
@@ -200,7 +203,12 @@ def test_the_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
     assert any(line.startswith("per side (equal: yes): tuning 2 trials, 512 tokens;") for line in lines), lines
     assert any(line.startswith("budgets: 1x = 4 steps, 1.5x = 6 steps, 2x = 8 steps") for line in lines)
     assert any(line.startswith("seeds: tuning [100], fresh for the comparison [0, 1]") for line in lines)
-    assert any(line.startswith("estimated time here: tune ") for line in lines)
+    # the plan first, then the timing: each side's step, and three real runs of the first trial
+    assert lines.index(next(line for line in lines if line.startswith("[dry run] timing"))) > \
+        lines.index(next(line for line in lines if line.startswith("per side (equal: yes)")))
+    cost = next(line for line in lines if line.startswith("a run's cost here: muon "))
+    assert "start-up and end " in cost and "(measured on 3 real runs of its first trial)" in cost
+    assert any(line.startswith("estimated time here: start ") for line in lines)
     assert not (tmp_path / "none").exists()
 
 
@@ -223,6 +231,15 @@ def test_the_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
     (["tuning.start_from=no/such/study"], "error: tuning.start_from=no/such/study: no/such/study: no records/plan.json"),
     (["tuning.dims=[lr,momentum]"], "error: tuning.dims: momentum is not a dimension of adamw; a study tunes the same"),
     (["tuning.dims=[]"], "error: tuning.dims must be a non-empty list of dimension names, got []"),
+    (["tuning.dims=[lrr]"], "error: tuning.dims: lrr is not a dimension of muon, adamw; a study tunes the same "
+                            "dimensions on both sides (did you mean lr? both have: lr, embed_lr_mult,"),
+    (["tuning.trails=3"], "error: tuning.trails: no such study key (did you mean tuning.trials? tuning's keys: trials,"),
+    (["compaer.seeds=[0,1]"], "error: compaer.seeds=[0,1]: no such key (did you mean compare.seeds? a study key"),
+    # the base config's own error, by its key, not blamed on a search space
+    (["data=hf", "data.path=json", "data.data_files=[/no/such/file.jsonl]"],
+     "error: data.data_files: no such file: /no/such/file.jsonl"),
+    (["optim.muon.ns_steps=0"], "error: optim.muon.ns_steps"),
+    (["logger.wandb.name=mine"], "error: logger.wandb.name=mine: the study sets logger.wandb.name on every run itself"),
     ([f"{prefix}spaces.{side}.warmup.{field}" for side in ("muon", "adamw")
       for prefix, field in (("", "step=null"), ("+", "low=0.1"), ("+", "high=1.0"), ("", "max=1"))],
      "error: spaces.muon (highest point of every grid): optim.warmup_fraction must lie in [0, 1), got 1.0"),
@@ -260,8 +277,8 @@ def test_a_batch_dimension_keeps_each_runs_tokens():
     every trial of a budget trains the same tokens."""
     from types import SimpleNamespace
 
-    from eval.fair.space_config import parse_space
-    from scripts.fair.plan import run_steps
+    from study.space_config import parse_space
+    from study.runs import run_steps
 
     space = parse_space("adamw", {"optimizer": "adamw", "fixed": {},
                                   "lr": {"key": "optim.lr", "scale": "log", "init": 1e-3, "step": 3.0, "points": 3},
@@ -274,13 +291,14 @@ def test_a_batch_dimension_keeps_each_runs_tokens():
 
 
 def test_a_diverged_or_crashed_run_is_recorded_counted_and_never_chosen(study, tmp_path):
-    """The study's stages driven by a launcher that returns what Hydra's would: the first run
-    diverges (its job returns NaN, as train.py's main() does for a multirun job), the second
-    crashes; each is recorded with its outcome, counted in its side's budget, and not chosen."""
+    """The study's stages driven by a launch that returns what Hydra's launchers give back (the
+    sweeper's adapter, hydra_plugins/): the first run diverges (its job returns NaN, as train.py's
+    main() does for a multirun job), the second crashes; each is recorded with its outcome,
+    counted in its side's budget, and not chosen."""
     from hydra.core.utils import JobReturn, JobStatus
-    from omegaconf import OmegaConf
 
-    from hydra_plugins.fair_sweeper._study import StudyRunner
+    from hydra_plugins.fair_sweeper.fair_sweeper import HydraLaunch
+    from study.runner import StudyRunner
 
     out, _ = study
     (tmp_path / "records").mkdir()
@@ -300,8 +318,9 @@ def test_a_diverged_or_crashed_run_is_recorded_counted_and_never_chosen(study, t
                 results.append(outcome)
             return results
 
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "runs")}}})
-    StudyRunner(str(tmp_path / "records" / PLAN_FILE), config, Launcher()).run()
+    launch = HydraLaunch(Launcher())
+    assert (launch.in_flight, launch.local) == (None, False)
+    StudyRunner(tmp_path / "records", tmp_path / "runs", launch).run()
     entries = read_index(tmp_path / "records")
     assert len(entries) == len(launched) == 20
     first, second = entries[0], entries[1]
@@ -314,3 +333,51 @@ def test_a_diverged_or_crashed_run_is_recorded_counted_and_never_chosen(study, t
         chosen = next(e for e in entries if e.stage == "final" and e.side == side).values
         tuned = [e for e in entries if e.stage == "tune" and e.side == side]
         assert chosen == {**next(e for e in tuned if e.status == "ok").values, "lr": chosen["lr"]}
+    # every job is named in wandb, grouped by the study, and carries what it is in its config
+    plan = json.loads((tmp_path / "records" / PLAN_FILE).read_text())
+    first_job = launched[0]
+    assert f"hydra.sweep.subdir={first.name}" in first_job and "eval.sets=[tune]" in first_job
+    assert "logger.wandb.name='tune muon 1x #0 init'" in first_job
+    assert f"logger.wandb.group='{tmp_path.name}-{plan['study_id'][:6]}'" in first_job
+    info = next(o for o in first_job if o.startswith("++logger.run_info="))
+    assert info == (f"++logger.run_info={{study:'{plan['study_id']}',stage:'tune',side:'muon',budget:'1x',trial:0,"
+                    "seed:100}")
+    final_job = next(job for job in launched if "logger.wandb.name='final adamw 2x seed 1'" in job)
+    assert not any(o.startswith("eval.sets=") for o in final_job)  # a final run evaluates every set
+
+
+def test_the_studys_clock_prices_the_runs_left_from_the_runs_trained():
+    """A run's seconds = a start-up + seconds a step, fitted on the runs trained so far; runs
+    taken from the records cost nothing and count as done."""
+    from study.progress import StudyProgress, run_cost
+
+    assert run_cost([]) is None
+    assert run_cost([(10, 7.0), (20, 12.0)]) == pytest.approx((2.0, 0.5))
+    assert run_cost([(10, 5.0), (10, 7.0)]) == pytest.approx((0.0, 0.6))  # one length seen: by steps alone
+    progress = StudyProgress(total=4, total_steps=60)
+    assert progress.count(10, 7.0) == "run 1 of 4" and progress.left() == pytest.approx(3 * 0.0 + 50 * 0.7)
+    progress.count(20, 12.0)
+    assert progress.left() == pytest.approx(2 * 2.0 + 30 * 0.5)
+    progress.count(10, None)
+    assert progress.left() == pytest.approx(1 * 2.0 + 20 * 0.5)
+
+
+def test_the_dry_runs_estimate_counts_each_runs_start_its_steps_and_its_evaluations():
+    """Trials score the tuning set once; a final run evaluates every set at each eval point
+    (every steps // eval_points steps and its last); the first run's one-off cost and the study's
+    own start count once."""
+    from types import SimpleNamespace
+
+    from study.estimate import RunCost, estimate_seconds, final_evals
+
+    assert [final_evals(n, 2) for n in (4, 5, 6, 1)] == [2, 3, 2, 1]
+    plan = SimpleNamespace(sides=("muon", "adamw"), chosen={}, tuning={"seeds": [100], "trials": 3},
+                           compare={"seeds": [0, 1], "steps": [4, 6], "steps_1x": 4, "eval_points": 2,
+                                    "retune": {"trials": 1}})
+    cost = RunCost({"muon": 1.0, "adamw": 0.5}, start_up_s=2.0, eval_s=0.25, first_s=5.0, sets=3, measured=True)
+    seconds = estimate_seconds(plan, cost, start_s=6.0)
+    assert seconds["start"] == 6.0
+    assert seconds["tune"] == pytest.approx(3 * (2 + 4 + 0.25) + 3 * (2 + 2 + 0.25) + 5.0)
+    assert seconds["retune"] == pytest.approx((2 + 6 + 0.25) + (2 + 3 + 0.25))
+    assert seconds["final"] == pytest.approx(2 * ((2 + 4 + 1.5) + (2 + 6 + 1.5)) + 2 * ((2 + 2 + 1.5) + (2 + 3 + 1.5)))
+    assert seconds["total"] == pytest.approx(sum(v for k, v in seconds.items() if k != "total"))

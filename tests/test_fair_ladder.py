@@ -1,4 +1,4 @@
-"""scripts/fair/ladder.py: the fair study across model sizes. The trend's arithmetic on rungs of
+"""study/ladder.py: the fair study across model sizes. The trend's arithmetic on rungs of
 known speedups, the parameter count it is drawn against, and `fair_compare.py --report` on a dir
 of studies: every report, ladder.md, the plot and a page's block, from records alone."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.fair.speedup import Comparison, Ratio
-from scripts.fair.ladder import LADDER_BEGIN, LADDER_END, Rung, model_params, replace_block, trend, trend_line
+from study.speedup import Comparison, Ratio
+from study.ladder import LADDER_BEGIN, LADDER_END, Rung, replace_block, trend, trend_line
+from study.report import model_params
 from tests.conftest import REPO
 from tests.prestarted import run_python
 
@@ -131,7 +132,7 @@ def test_the_committed_ladder_and_the_published_tables_are_made_again_from_the_c
     """lab/results/fair holds the studies behind the headline of README.md and lab/results.md:
     --report on a copy of their records alone gives back every study's report, ladder.md and
     both pages byte for byte (the plot aside: its bytes follow the matplotlib build)."""
-    from scripts.fair.ladder import study_dirs
+    from study.ladder import study_dirs
 
     committed = REPO / "lab" / "results" / "fair"
     studies = study_dirs(committed)
@@ -152,3 +153,21 @@ def test_the_committed_ladder_and_the_published_tables_are_made_again_from_the_c
     assert (copy / "ladder.md").read_bytes() == (committed / "ladder.md").read_bytes()
     for name, page in pages.items():
         assert page.read_bytes() == (REPO / name).read_bytes(), f"{name}: its ladder block is not what the records give"
+
+
+def test_the_plots_name_what_they_draw(tmp_path):
+    """speedup_vs_size.png names each rung beside its points; loss_vs_tokens.png draws each side's
+    seed band, labels its reference lines and ticks every budget (1x, 1.5x, 2x, with its tokens)."""
+    from study.ladder import plot as ladder_plot
+    from study.records import load_study
+    from study.report import comparisons, plot as report_plot, reported_splits
+
+    rungs = [rung(10 ** e, 1.2, (1.1, 1.2, 1.3)) for e in (6, 7)]
+    assert ladder_plot(rungs, [trend(rungs, "val/val/loss", 99, 0)], tmp_path / "size.png") == ["r1000000", "r10000000"]
+    data = load_study(SMOKE / "records")
+    labels = report_plot(data, reported_splits(data), comparisons(data), tmp_path / "loss.png")
+    for label in ("muon: seeds' range", "adamw: seeds' range", "muon: mean, monotone fit", "1x\n384", "1.5x\n576",
+                  "2x\n768"):
+        assert label in labels, (label, labels)
+    assert any(label.startswith("muon's loss at 1x (") for label in labels)
+    assert (tmp_path / "loss.png").stat().st_size > 10_000

@@ -443,18 +443,23 @@ def test_a_ctrl_c_lost_during_start_up_still_stops_the_run_before_training(monke
     from trainer.run import interrupts
     from trainer.run.preemption import PreemptionFlag
 
-    previous = signal.getsignal(signal.SIGINT)
-    monkeypatch.setattr(interrupts, "_interrupted", False)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(interrupts, "_interrupted", 0)
     interrupts.install_start_up_handler()
     try:
         with pytest.raises(SystemExit):
             signal.raise_signal(signal.SIGINT)  # caught here as if by code that drops it
+        assert interrupts.interrupted() == 130  # what a study asks before its next run
         with pytest.raises(SystemExit) as stopped:
             PreemptionFlag()
         assert stopped.value.code == 130
-        assert signal.getsignal(signal.SIGINT) is interrupts._on_sigint_during_start_up  # not taken over
+        assert signal.getsignal(signal.SIGINT) is interrupts._on_signal_during_start_up  # not taken over
+        with pytest.raises(SystemExit) as stopped:  # SIGTERM too, and it outranks the Ctrl-C
+            signal.raise_signal(signal.SIGTERM)
+        assert stopped.value.code == 143 and interrupts.interrupted() == 143
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_a_skip_collected_at_a_checkpoint_still_reaches_the_metrics(tmp_path):

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("parallel", "model", "optim", "trainer", "eval", "data", "planning", "hydra_plugins")
+PACKAGES = ("parallel", "model", "optim", "trainer", "eval", "data", "planning", "study", "hydra_plugins", "scripts")
 # The package order, bottom first: a module may import its own package and those below it,
 # never one above. parallel and data share the bottom and import neither each other nor
-# anything else of ours; train.py is the top.
-ORDER = (("parallel", "data"), ("model",), ("optim",), ("eval",), ("planning",), ("trainer",), ("hydra_plugins",),
-         ("train",))
+# anything else of ours; the fair study sits on the trainer, its Hydra sweeper on the study,
+# the commands on all of them; train.py is the top.
+ORDER = (("parallel", "data"), ("model",), ("optim",), ("eval",), ("planning",), ("trainer",), ("study",),
+         ("hydra_plugins",), ("scripts",), ("train",))
 
 
 def module_name(path: Path) -> str:
@@ -133,15 +134,21 @@ def test_the_checks_see_an_arrow_and_a_cycle(tmp_path):
     assert imported(planted, project_modules()) == {"trainer.config", "trainer.precision", "optim", "optim.muon"}
 
 
-def test_the_fair_studys_pieces_sit_where_the_package_order_puts_them():
-    """The statistics, the search spaces, the tuner and the records are eval/fair/ (below trainer/);
-    the sweeper plugin is found by Hydra beside the installed launchers (hydra_plugins/ holds no
-    __init__.py of its own, which would hide theirs)."""
-    modules = project_modules()
-    for name in ("eval.fair.speedup", "eval.fair.search_space", "eval.fair.space_config", "eval.fair.coordinate_descent", "eval.fair.records"):
-        climbing = sorted(m for m in imported(modules[name], modules) if m.split(".")[0] == "trainer")
-        assert not climbing, (name, climbing)
+def test_the_fair_study_is_one_package_and_its_sweeper_a_thin_adapter_over_it():
+    """The study (plan, runner, tuner, spaces, records, statistics, reports) is study/, above the
+    trainer; the Hydra sweeper imports the study and nothing of scripts/, and is found by Hydra
+    beside the installed launchers (hydra_plugins/ holds no __init__.py of its own, which would
+    hide theirs); scripts/fair_compare.py is the command over study/."""
+    graph = import_graph()
+    for name in ("study.speedup", "study.search_space", "study.space_config", "study.coordinate_descent",
+                 "study.records", "study.plan", "study.runner", "study.report", "study.ladder", "study.driver"):
+        assert name in graph, name
+        assert not {d for d in graph[name] if d.split(".")[0] in ("scripts", "hydra_plugins", "train")}, name
+    sweeper = graph["hydra_plugins.fair_sweeper.fair_sweeper"]
+    assert sweeper and {d.split(".")[0] for d in sweeper} == {"study"}, sweeper
+    assert {d for d in graph["scripts.fair_compare"] if d.startswith("study.")}
     assert not (REPO / "hydra_plugins" / "__init__.py").exists()
+    assert not (REPO / "eval" / "fair").exists() and not (REPO / "scripts" / "fair").exists()
     from hydra.core.plugins import Plugins
     from hydra.plugins.launcher import Launcher
     from hydra.plugins.sweeper import Sweeper

@@ -21,6 +21,7 @@ from tests.prestarted import run_python
 
 README = REPO / "README.md"
 README_MAX_CHARS = 12_000  # a first-hour page; the reference material lives in docs/
+DOCS_MAX_CHARS = 130_000  # README.md and docs/*.md together
 # The lab notebook's pages (lab/) are checked too, but for lab/BENCHMARKS.md, a log of dated
 # measurements.
 PAGES = [README, *sorted((REPO / "docs").glob("*.md")),
@@ -241,6 +242,42 @@ def test_relative_links_point_at_files():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, "relative links to missing files:\n" + "\n".join(broken)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The #anchors a renderer gives the page's headings (GitHub's rule: lower case, spaces to
+    '-', punctuation but '-' and '_' dropped); a second heading of one text gets '-1', '-2'..."""
+    text = re.sub(r"^\s*```.*?^\s*```", "", page.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_relative_links_to_headings_name_one_that_is_there():
+    """A heading renamed (a script moved into scripts/bench/, a section retitled) leaves links to
+    its old anchor pointing at the top of the page."""
+    broken = []
+    for page in PAGES:
+        for target in markdown_links(page):
+            path, _, anchor = target.partition("#")
+            if not anchor or re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue
+            linked = (page.parent / path) if path else page
+            if linked.suffix == ".md" and linked.exists() and anchor not in heading_anchors(linked):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, "links to headings that are not there:\n" + "\n".join(broken)
+    assert "from-docsdatamd-the-tuning-split-measured" in heading_anchors(REPO / "lab" / "BENCHMARKS.md")
+
+
+def test_the_readme_and_the_reference_pages_stay_within_their_size():
+    """README.md and docs/*.md together, as `wc -c` counts: the study's dated findings belong in
+    lab/, not in the reference."""
+    size = sum(len(page.read_bytes()) for page in [README, *(REPO / "docs").glob("*.md")])
+    assert size <= DOCS_MAX_CHARS, f"README.md and docs/*.md hold {size} bytes; move dated material to lab/"
 
 
 def test_every_doc_page_links_back_to_the_readme():

@@ -1,4 +1,4 @@
-"""Search spaces (eval/fair/search_space.py; read from config, eval/fair/space_config.py) and the shipped ones
+"""Search spaces (study/search_space.py; read from config, study/space_config.py) and the shipped ones
 (conf/tuning/*.yaml)."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from eval.fair.search_space import (
+from study.search_space import (
     COMMON_DIMS, FAMILY_DICTS, SpaceError, extension_point, parity_problems, refine_points, space_dict, trial_overrides,
 )
-from eval.fair.space_config import lr_space, parse_space
+from study.space_config import lr_space, parse_space
 from tests.conftest import REPO, compose
 
 

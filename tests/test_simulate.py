@@ -264,7 +264,7 @@ def test_a_simulation_larger_than_this_machine_is_refused_before_anything_is_bui
     machine here is made small (1 GiB), not the model large."""
     import trainer.simulation.one_rank as simulate
 
-    monkeypatch.setattr(simulate, "host_memory", lambda device: (1 << 30, "its RAM"))
+    monkeypatch.setattr(simulate, "host_memory", lambda device: (3 << 30, "its RAM"))
     argv = ["model=gpt_tiny", "parallel.simulate_world=8", "parallel.dp_shard=8", "trainer.device=cpu",
             "trainer.precision=fp32", "trainer.batch_size=64", "trainer.seq_len=512"]
     cfg = to_dataclass(compose(argv))
@@ -275,9 +275,22 @@ def test_a_simulation_larger_than_this_machine_is_refused_before_anything_is_bui
         preflight(argv, str(REPO / "conf"), 1)
     assert str(err.value) == (
         f"parallel.simulate_world=8: the memory plan puts rank 0 of this layout at {planned / (1 << 30):.1f} GiB, "
-        "more than this machine's 1.0 GiB (its RAM), so it would swap or be killed after minutes of building; "
-        "shrink the model, the batch or the layout's share per rank, or set parallel.simulate_force=true to run it "
-        "anyway")
+        "more than this machine's 1.0 GiB (its RAM, 3.0 GiB, less 2.0 GiB kept for the OS, the page cache and this "
+        "process's libraries), so it would swap or be killed after minutes of building; shrink the model, the batch "
+        "or the layout's share per rank, or set parallel.simulate_force=true to run it anyway")
     assert preflight(argv + ["parallel.simulate_force=true"], str(REPO / "conf"), 1) is not None
-    monkeypatch.setattr(simulate, "host_memory", lambda device: (int(planned) + 1, "its RAM"))
+    monkeypatch.setattr(simulate, "host_memory", lambda device: (int(planned) + (2 << 30) + 1, "its RAM"))
     assert preflight(argv, str(REPO / "conf"), 1) is not None
+
+
+def test_a_cpu_rank_leaves_the_os_and_its_libraries_a_stated_margin_of_the_ram():
+    """10% of the RAM, at least 2 GiB: gpt_8b's README example plans 21.6 GiB for its rank, under a
+    24 GiB host's 23.5 GiB of RAM but over the 21.2 GiB it can give; a GPU's memory keeps none."""
+    import torch
+
+    import trainer.simulation.one_rank as simulate
+
+    gib = 1 << 30
+    assert simulate.memory_margin(int(23.5 * gib), torch.device("cpu")) == int(2.35 * gib)
+    assert simulate.memory_margin(8 * gib, torch.device("cpu")) == 2 * gib
+    assert simulate.memory_margin(80 * gib, torch.device("cuda")) == 0

@@ -1,4 +1,4 @@
-"""eval/fair/speedup.py: the monotone fit, the crossing in log tokens, censoring, and the bootstrap
+"""study/speedup.py: the monotone fit, the crossing in log tokens, censoring, and the bootstrap
 that repeats the selection, on synthetic loss curves with a known speedup (design56 §10.1).
 
 The data: L(N) = 3 + 2 N^-0.3 at budgets 1, 1.5, 2, 3x (N in units of the 1x budget), the
@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pytest
 
-from eval.fair.speedup import (
+from study.speedup import (
     Comparison, Ratio, Side, compare, compare_splits, isotonic_decreasing, reach, speedup,
 )
 from tests.closeness import approx, check_relative

@@ -420,3 +420,20 @@ def test_under_torchrun_the_refusal_is_the_root_cause_of_its_summary(tmp_path, c
     assert "exitcode  : 2 " in cause and f"traceback : {errors[0]}\n" in cause, cause
     assert our_frames(output) == []
     assert output.count("< optim.warmup_steps=") == warnings
+
+
+def test_scripts_torchrun_ends_with_our_line_and_the_ranks_own_exit_code(tmp_path):
+    """torchrun exits 1 whatever a rank said, with its report after our line; the wrapper runs
+    the same command and ends with the rank's line, exiting with its code (2: bad input)."""
+    overrides, said, _ = bad_layout(tmp_path / "run")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "scripts/torchrun.py", "--standalone", "--nproc_per_node=2", "train.py",
+         f"hydra.run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.device=cpu",
+         "logger.wandb.mode=disabled", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    last = proc.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith(said), proc.stderr[-3000:]
+    assert "Root Cause (first observed failure):" in proc.stderr  # torchrun's report is still there, above it

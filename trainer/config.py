@@ -13,7 +13,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -95,6 +95,10 @@ class EvalConfig:
     # name, or tune (with data.tune_fraction > 0): a tuning study scores val/tune/loss, so that
     # the val and OOD numbers it reports were not what picked its settings.
     objective: str = "val/val/loss"
+    # The eval sets evaluated (val, tune, and each data.eval_sets name); null: every one. A
+    # study's tuning trials evaluate only the tune set they are scored on: the others cost most
+    # of a short run's time and say nothing there. The max attention logit reads val either way.
+    sets: Optional[List[str]] = None
 
 
 @dataclass
@@ -128,6 +132,12 @@ class LoggerConfig:
     # Starts every progress line; a sweep sets it to the job ("job 3") so that the lines of
     # jobs running side by side (hydra/launcher=local) tell apart.
     progress_prefix: Optional[str] = None
+    # A run that stops early (preempted, diverged) prints the command that resumes it; a fair
+    # study's runs turn it off: the study prints its own, which goes through its lock and report.
+    resume_hint: bool = True
+    # What the run is part of, kept in its config (and so in wandb's): a study's runs carry the
+    # study's id, their stage, side, budget and trial here, for the records and the sweep view.
+    run_info: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -199,6 +209,10 @@ def layout_keys(parallel: ParallelConfig) -> dict[str, int]:
 class CheckpointConfig:
     # Save every `interval` steps (0: only at the end of the run) into <run_dir>/checkpoints.
     interval: int = 500
+    # Save at the end of the run too. A fair study's trials turn it off: their result is their
+    # metrics, and each end checkpoint costs a second and the model's weights and optimizer state
+    # on disk (154 MB for gpt_small). A preempted run still saves the step it stops at.
+    at_end: bool = True
     # "auto": continue from the newest checkpoint in this run dir that verifies and is not
     # suspect (after a divergence stop: checkpoints/last_good), if any;
     # "none": always start fresh; or the path of a checkpoint (a step_<N> dir, or an older
@@ -408,6 +422,7 @@ def validate(cfg: TrainConfig) -> None:
     _positive("eval.batches", cfg.eval.batches)
     _positive("eval.interval", cfg.eval.interval, minimum=0)
     _positive("eval.batch_size", cfg.eval.batch_size)
+    _eval_sets(cfg)
     _objective(cfg)
     _positive("logger.interval", cfg.logger.interval)
     _choice("logger.wandb.mode", cfg.logger.wandb.mode, ("offline", "online", "disabled"))
@@ -441,6 +456,24 @@ def objective_choices(cfg: TrainConfig) -> list[str]:
     """The metrics eval.objective may name: the losses every run logs at its last step."""
     tune = ["tune"] if cfg.data.tune_fraction > 0 else []
     return [f"val/{name}/loss" for name in ("val", *tune, *cfg.data.eval_sets)] + ["train/loss"]
+
+
+def _eval_sets(cfg: TrainConfig) -> None:
+    """eval.sets names sets the run has, at least one, and keeps the one eval.objective reads."""
+    chosen = cfg.eval.sets
+    if chosen is None:
+        return
+    known = [key.split("/")[1] for key in objective_choices(cfg) if key.startswith("val/")]
+    if not chosen:
+        raise ConfigError(f"eval.sets: empty; list the sets to evaluate ({', '.join(known)}), or null for all")
+    for name in chosen:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"eval.sets: no eval set {name!r} ({hint}known: {', '.join(known)})")
+    parts = cfg.eval.objective.split("/")
+    if len(parts) == 3 and parts[0] == "val" and parts[1] not in chosen:
+        raise ConfigError(f"eval.sets={list(chosen)} leaves out {parts[1]}, which eval.objective={cfg.eval.objective} reads")
 
 
 def _objective(cfg: TrainConfig) -> None:

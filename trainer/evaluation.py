@@ -24,6 +24,8 @@ def eval_sets(trainer) -> tuple[dict[str, list[Batch]], dict[str, int], Batch]:
         if name == "val":
             # Max attention logits are read on one fixed batch, the same on every rank.
             max_logit_batch = tuple(b.to(trainer.device) for b in batches[0])
+        if e.sets is not None and name not in e.sets:
+            continue
         mine = batches[mesh.dp_rank :: mesh.dp]
         counted = len(mine)
         if trainer.sharded or mesh.ep > 1:

@@ -468,7 +468,7 @@ class Trainer:
                         sinks.log(done, self.tokens, metrics)
                     last = metrics
                 interval = cfg.checkpoint.interval
-                saves = is_last or (interval > 0 and done % interval == 0)
+                saves = (is_last and cfg.checkpoint.at_end) or (interval > 0 and done % interval == 0)
                 if saves:
                     self.save_checkpoint(evaluated=eval_due, final=is_last)
                 if metrics or saves:
@@ -479,6 +479,14 @@ class Trainer:
                     # Writing the trace is not training either.
                     window_start, window_steps = time.perf_counter(), 0
                     COMM.reset()
+            # A signal after the last step's check (during its evaluation or checkpoint) would
+            # be lost with the flag: the run is complete, but whoever runs it (a sweep, a study)
+            # was asked to stop and must not start the next one.
+            stop_code = preemption.raised(mesh)
+            if stop_code:
+                progress.message(f"stopping: asked to during the last step's evaluation or checkpoint; the run "
+                                 f"is complete at step {self.step}")
+                raise Preempted(stop_code)
         except NonFiniteLoss:
             # Every rank stops here together (the counts and losses are global): a checkpoint
             # still being written predates the divergence, so it is finished, not dropped.

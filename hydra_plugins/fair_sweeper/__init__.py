@@ -1,1 +1,2 @@
-"""The fair study's Hydra sweeper (hydra/sweeper=fair), run by scripts/fair_compare.py."""
+"""The fair study's Hydra sweeper (hydra/sweeper=fair): a thin adapter that hands study/runner.py
+Hydra's launcher; scripts/fair_compare.py starts it."""

@@ -34,7 +34,8 @@ def largest_dense_rung(root: Path = LADDER) -> Optional[Path]:
     """The ladder's dense study with the most non-embedding parameters, None if it has none."""
     import json
 
-    from scripts.fair.ladder import model_params, study_dirs
+    from study.ladder import study_dirs
+    from study.report import model_params
 
     dense = []
     for path in study_dirs(root):

@@ -244,10 +244,26 @@ def host_memory(device: torch.device) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "its RAM"
 
 
+# What a CPU rank cannot have of the machine's RAM: the OS and the page cache, other processes, and
+# this process's own Python and libraries (about 1 GiB resident before a tensor is made), which
+# the plan's tensor bytes leave out. 10% of the RAM, at least 2 GiB: a 24 GiB host keeps 2.4 GiB.
+HOST_MARGIN_FRACTION = 0.10
+HOST_MARGIN_MIN = 2 * GIB
+
+
+def memory_margin(total: int, device: torch.device) -> int:
+    """The bytes of `total` (host_memory's) a simulated rank must leave: none of a GPU's own
+    memory (its plan is of the allocator's live bytes there), the margin above of the RAM."""
+    if device.type == "cuda":
+        return 0
+    return max(int(total * HOST_MARGIN_FRACTION), HOST_MARGIN_MIN)
+
+
 def check_simulated_memory(cfg: TrainConfig) -> None:
     """Raise ConfigError, in one line, for a simulation that cannot fit this machine, unless
     parallel.simulate_force: a layout too large to plan (planning/layout_limits.py), or one whose
-    planned memory for the rank exceeds the host's (host_memory). It would otherwise build the
+    planned memory for the rank exceeds what the host can give it (host_memory, less
+    memory_margin). It would otherwise build the
     corpus and the model for minutes, printing nothing, and then swap or be killed. The plan
     takes the model with the vocabulary its tokenizer will have (data.vocab_size for the BPE
     the run trains, the preset's documented one for a pretrained tokenizer) and the precision
@@ -272,11 +288,14 @@ def check_simulated_memory(cfg: TrainConfig) -> None:
     planned_cfg = replace(cfg, trainer=replace(t, precision=resolve_precision(t.precision, device).precision))
     planned = planned_memory_of(planned_cfg, model, Mesh(p.simulate_rank, p.simulate_world, layout))["total"]
     have, what = host_memory(device)
-    if planned > have:
+    margin = memory_margin(have, device)
+    if planned > have - margin:
+        kept = f", less {margin / GIB:.1f} GiB kept for the OS, the page cache and this process's libraries" if margin else ""
         raise ConfigError(f"{world}: the memory plan puts rank {p.simulate_rank} of this layout at "
-                          f"{planned / GIB:.1f} GiB, more than this machine's {have / GIB:.1f} GiB ({what}), so it "
-                          "would swap or be killed after minutes of building; shrink the model, the batch or the "
-                          "layout's share per rank, or set parallel.simulate_force=true to run it anyway")
+                          f"{planned / GIB:.1f} GiB, more than this machine's {(have - margin) / GIB:.1f} GiB "
+                          f"({what}, {have / GIB:.1f} GiB{kept}), so it would swap or be killed after minutes of "
+                          "building; shrink the model, the batch or the layout's share per rank, or set "
+                          "parallel.simulate_force=true to run it anyway")
 
 
 def summary_line(mesh: Mesh, step_s: float, peak: MemoryPeak) -> str:

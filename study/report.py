@@ -1,5 +1,5 @@
 """The report of a fair study (scripts/fair_compare.py), made from its records alone
-(eval/fair/records.py): the same records give the same report, byte for byte, on any machine
+(study/records.py): the same records give the same report, byte for byte, on any machine
 (the bootstrap is seeded, numbers are rounded as printed, no path or clock is written).
 
     comparison.md    the budgets spent (equal on both sides), the speedup on val and each OOD
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.fair.records import OK, TUNE_KEY, Entry, StudyData, chosen_settings, final_loss
-from eval.fair.speedup import Comparison, Side, compare_splits, isotonic_decreasing, mean
+from study.records import OK, TUNE_KEY, Entry, StudyData, chosen_settings, final_loss
+from study.speedup import Comparison, Side, compare_splits, isotonic_decreasing, mean
 
 
 def reported_splits(data: StudyData) -> list[str]:
@@ -130,7 +130,7 @@ def write_report(data: StudyData, out: Path, results: dict[str, Comparison] | No
     results = comparisons(data) if results is None else results
     t, c = plan["tuning"], plan["compare"]
     head = [f"# {plan['target']} against {plan['baseline']}: a fair comparison", "",
-            f"Model {plan['model'].get('name')}, {plan['tokens_per_step']:,} tokens a step on both sides. Each side "
+            f"Model {model_text(plan['model'])}, {plan['tokens_per_step']:,} tokens a step on both sides. Each side "
             f"tuned by coordinate descent over its space ({t['trials']} trials at {c['steps'][0]} steps, scored on "
             f"{t['objective']}, the tuning split data.tune_fraction={t['split_fraction']}, seeds {t['seeds']}), its lr "
             f"searched again at each longer budget ({c['retune']['trials']} trials), then rerun at every budget on "
@@ -155,6 +155,34 @@ def write_report(data: StudyData, out: Path, results: dict[str, Comparison] | No
     (out / "chosen.md").write_text("\n".join(chosen_lines(data)) + "\n")
     plot(data, splits, results, out / "loss_vs_tokens.png")
     return [line for line in head if line.startswith("| ")]
+
+
+def model_params(model: dict, vocab_size: int = 8) -> tuple[int, int]:
+    """(non-embedding parameters, those one token goes through) of a plan's model config, counted
+    on a model built on the meta device (no memory)."""
+    import torch
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+
+    cfg = ModelConfig(**{**model, "vocab_size": vocab_size})
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    params = gpt.num_params(non_embedding=True)
+    routed = sum(p.numel() for name, p in gpt.named_parameters() if ".experts." in name)
+    active = params - routed + (routed * cfg.top_k // cfg.n_experts if cfg.n_experts else 0)
+    return params, active
+
+
+def model_text(model: dict) -> str:
+    """The model by its shape, not only its preset's name: "gpt_tiny (4 layers, width 64,
+    0.20M non-embedding parameters)", an MoE with its experts and active parameters."""
+    params, active = model_params(model)
+    shape = f"{model.get('n_layers')} layers, width {model.get('d_model')}, {params / 1e6:.2f}M non-embedding parameters"
+    if model.get("n_experts"):
+        shape += (f", {model['n_experts']} experts (top {model.get('top_k')}), {active / 1e6:.2f}M of them active "
+                  "per token")
+    return f"{model.get('name')} ({shape})"
 
 
 def budget_summary(data: StudyData) -> dict[str, Any]:
@@ -189,35 +217,54 @@ def chosen_lines(data: StudyData) -> list[str]:
     return lines
 
 
-def plot(data: StudyData, splits: list[str], results: dict[str, Comparison], path: Path) -> None:
-    """Each split's final losses against tokens (log), both sides, their monotone fits, and the
-    tokens at which the baseline reaches the target's 1x loss."""
+def plot(data: StudyData, splits: list[str], results: dict[str, Comparison], path: Path) -> list[str]:
+    """Each split's final losses against tokens (log), both sides: every seed's point, the band
+    the seeds span at each budget, the monotone fit through their means; the target's 1x loss
+    and the tokens at which the baseline reaches it, each line labelled; a tick at every budget.
+    Returns the labels drawn, for the tests."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     plan = data.plan
-    fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 4), squeeze=False)
+    target, baseline = plan["target"], plan["baseline"]
+    budgets, per_step = plan["compare"]["budgets"], plan["tokens_per_step"]
+    budget_tokens = [n * per_step for n in plan["compare"]["steps"]]
+    labels: list[str] = []
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.5 * len(splits), 4.2), squeeze=False)
     for ax, split in zip(axes[0], splits):
-        for side, colour in ((plan["target"], "tab:red"), (plan["baseline"], "tab:blue")):
+        for side, colour in ((target, "tab:red"), (baseline, "tab:blue")):
             inputs = side_inputs(data, side, split)
             tokens = np.array(inputs.tokens)
             finite = np.where(np.isfinite(inputs.finals), inputs.finals, np.nan)
-            ax.plot(np.repeat(tokens, finite.shape[1]), finite.ravel(), "o", color=colour, alpha=0.3, ms=3)
+            ax.plot(np.repeat(tokens, finite.shape[1]), finite.ravel(), "o", color=colour, alpha=0.35, ms=3)
+            with np.errstate(all="ignore"):
+                if np.isfinite(finite).any(axis=1).all():
+                    ax.fill_between(tokens, np.nanmin(finite, axis=1), np.nanmax(finite, axis=1), color=colour,
+                                    alpha=0.12, lw=0, label=f"{side}: seeds' range")
             fitted = isotonic_decreasing(inputs.means)
-            ax.plot(tokens, np.where(np.isfinite(fitted), fitted, np.nan), "-", color=colour, label=side)
-        target_1x = isotonic_decreasing(side_inputs(data, plan["target"], split).means)[0]
-        ax.axhline(target_1x, color="grey", lw=0.8, ls=":")
+            ax.plot(tokens, np.where(np.isfinite(fitted), fitted, np.nan), "-", color=colour,
+                    label=f"{side}: mean, monotone fit")
+        target_1x = isotonic_decreasing(side_inputs(data, target, split).means)[0]
+        if math.isfinite(target_1x):
+            ax.axhline(target_1x, color="grey", lw=0.8, ls=":", label=f"{target}'s loss at 1x ({target_1x:.3f})")
         r = results[split].ratio
         if not r.censored:  # where the slower side reaches the faster side's 1x loss
-            tokens_1x = plan["tokens_per_step"] * plan["compare"]["steps"][0]
-            ax.axvline(tokens_1x * (r.value if r.value >= 1 else 1 / r.value), color="grey", lw=0.8)
+            slower, faster = (baseline, target) if r.value >= 1 else (target, baseline)
+            reach = budget_tokens[0] * (r.value if r.value >= 1 else 1 / r.value)
+            ax.axvline(reach, color="grey", lw=0.8, label=f"{slower} reaches {faster}'s 1x loss: {reach:,.0f} tokens")
         ax.set_xscale("log")
-        ax.set_xlabel("tokens")
+        ax.set_xticks(budget_tokens)
+        ax.set_xticklabels([f"{b:g}x\n{t:,}" for b, t in zip(budgets, budget_tokens)], fontsize=7)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("tokens (budget)")
         ax.set_ylabel(split)
         ax.set_title(f"{split}: {r.format()}")
-        ax.legend()
+        ax.legend(fontsize=7)
+        labels += [t.get_text() for t in ax.get_legend().get_texts()] + [t.get_text() for t in ax.get_xticklabels()]
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
+    return labels

@@ -29,9 +29,9 @@ from typing import Optional
 
 import numpy as np
 
-from eval.fair.records import PLAN_FILE, RECORDS, REPORT, StudyData, StudyError, load_study
-from eval.fair.speedup import Comparison
-from scripts.fair.report import comparisons, ratio_text, write_report
+from study.records import PLAN_FILE, RECORDS, REPORT, StudyData, StudyError, load_study
+from study.speedup import Comparison
+from study.report import comparisons, model_params, ratio_text, write_report
 
 LADDER_BEGIN = "<!-- fair ladder: begin (scripts/fair_compare.py --report lab/results/fair --page ...) -->"
 LADDER_END = "<!-- fair ladder: end -->"
@@ -80,23 +80,6 @@ def study_dirs(root: Path) -> list[Path]:
 
 def is_ladder(root: Path) -> bool:
     return not (root / RECORDS / PLAN_FILE).is_file() and not (root / PLAN_FILE).is_file() and bool(study_dirs(root))
-
-
-def model_params(model: dict, vocab_size: int = 8) -> tuple[int, int]:
-    """(non-embedding parameters, those one token goes through) of a plan's model config, counted
-    on a model built on the meta device (no memory)."""
-    import torch
-
-    from model.config import ModelConfig
-    from model.gpt import GPT
-
-    cfg = ModelConfig(**{**model, "vocab_size": vocab_size})
-    with torch.device("meta"):
-        gpt = GPT(cfg)
-    params = gpt.num_params(non_embedding=True)
-    routed = sum(p.numel() for name, p in gpt.named_parameters() if ".experts." in name)
-    active = params - routed + (routed * cfg.top_k // cfg.n_experts if cfg.n_experts else 0)
-    return params, active
 
 
 def rung_of(path: Path, data: StudyData, results: dict[str, Comparison]) -> Rung:
@@ -211,9 +194,10 @@ def ladder_lines(rungs: list[Rung], trends: list[Trend]) -> list[str]:
     return lines + [""]
 
 
-def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
+def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> list[str]:
     """Speedup against non-embedding parameters (log-log): each split's estimate with its
-    interval, MoE at its active parameters, and each split's fitted trend through the dense rungs."""
+    interval, each rung named beside its points, MoE at its active parameters, and each split's
+    fitted trend through the dense rungs. Returns the rung labels drawn, for the tests."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,6 +207,7 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
     splits = sorted({k for r in rungs for k in r.results}, key=lambda k: (k != VAL, k))
     colours = dict(zip(splits, ("tab:red", "tab:blue", "tab:green", "tab:purple")))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    named = []
     for i, k in enumerate(splits):
         for r in rungs:
             if k not in r.results:
@@ -238,6 +223,8 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
             for end, bound, caret in ((c.hi, ">", "^"), (c.lo, "<", "v")):  # an interval end beyond the budgets
                 if end is not None and end.bound == bound:
                     ax.plot([x], [end.value], caret, color=colours.get(k, "grey"), ms=7)
+            if i == 0:
+                named.append(ax.annotate(r.name, (x, y), textcoords="offset points", xytext=(6, 5), fontsize=7))
     for t in trends:
         dense = [r for r in rungs if not r.experts and t.split in r.results]
         xs = np.array([min(r.params for r in dense), max(r.params for r in dense)])
@@ -261,6 +248,7 @@ def plot(rungs: list[Rung], trends: list[Trend], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
+    return [text.get_text() for text in named]
 
 
 def replace_block(text: str, block: list[str], where: str) -> str:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
-from eval.fair.search_space import Dim, Space, extension_point, format_value, refine_points, to_unit
+from study.search_space import Dim, Space, extension_point, format_value, refine_points, to_unit
 
 REASONS = ("init", "sweep", "extend", "refine")
 

@@ -1,6 +1,6 @@
 """A search space read from its config node (conf/tuning/<side>.yaml, or the study's
 spaces.<side> overrides): every field checked, every malformed input one line naming
-`spaces.<side>.<dim>.<field>`. The space itself and its grid arithmetic: eval/fair/search_space.py.
+`spaces.<side>.<dim>.<field>`. The space itself and its grid arithmetic: study/search_space.py.
 
 Input is plain dicts (an OmegaConf container converted with `to_container`), so this module
 needs only the standard library.
@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from eval.fair.search_space import (SCALES, SHAPE_TOLERANCE, SPACE_FIELDS, Dim, Space, SpaceError, in_domain,
+from study.search_space import (SCALES, SHAPE_TOLERANCE, SPACE_FIELDS, Dim, Space, SpaceError, in_domain,
                                override_prefix, scale_from_unit, scale_to_unit, snap_value)
 
 DIM_FIELDS = ("key", "scale", "init", "grid", "step", "points", "low", "high", "min", "max", "integer")

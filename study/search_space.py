@@ -1,5 +1,5 @@
 """Search spaces for scripts/fair_compare.py: one per optimizer (conf/tuning/<side>.yaml), each a
-list of dimensions tuned by eval/fair/coordinate_descent.py.
+list of dimensions tuned by study/coordinate_descent.py.
 
 A dimension sets one or more train.py config keys to one value and has a grid of values in its
 scale's units (log, linear, or log1m: the log of 1 - x, for betas and momentum, whose
@@ -7,7 +7,7 @@ interesting values crowd towards 1). The fairness of a Muon-vs-AdamW comparison 
 two spaces having the same shape, so `parity_problems` states every way they differ.
 
 This module holds the space and its arithmetic (scales, grids, extension and refinement, parity,
-a trial's overrides), in the standard library only; eval/fair/space_config.py reads one from its
+a trial's overrides), in the standard library only; study/space_config.py reads one from its
 config node and checks it.
 """
 from __future__ import annotations

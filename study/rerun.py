@@ -14,17 +14,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from scripts.fair.plan import (CONF, Plan, PlanError, base_config, check_train_overrides, override_key,
-                               run_overrides, seed_list)
+from study.checks import PlanError, check_train_overrides, seed_list
+from study.plan import Plan
+from study.runs import CONF, base_config, override_key, run_overrides
 
 
 def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str]) -> Plan:
     """The plan of a rerun of `source`'s choice (PlanError in one line, before anything runs)."""
     import yaml
 
-    from eval.fair.records import PLAN_FILE, StudyError, chosen_settings, read_index, records_dir
-    from eval.fair.search_space import trial_overrides
-    from eval.fair.space_config import parse_space
+    from study.records import PLAN_FILE, StudyError, chosen_settings, read_index, records_dir
+    from study.search_space import trial_overrides
+    from study.space_config import parse_space
     from trainer.config import ConfigError, register_configs
     from trainer.run.preflight import check_config, compose
 
@@ -87,13 +88,13 @@ def rerun_plan(source: Path, study_overrides: list[str], command_train: list[str
     return Plan(name="rerun", target=old.target, baseline=old.baseline, train=train, spaces=old.spaces,
                 tuning=dict(old.tuning, chosen_from=str(source)), compare=compare, stats=old.stats,
                 tokens_per_step=old.tokens_per_step, budget_per_side={"runs": runs, "tokens": tokens}, model=model,
-                data=data, notes=[*old.notes, note], chosen=chosen)
+                data=data, notes=[*old.notes, note], chosen=chosen, adopted=[old.study_id])
 
 
 def copy_choice_records(source: Path, records: Path) -> None:
     """`source`'s tuning and retuning runs into `records` (their records and index lines), before
     this study's own; those already there are left as they are."""
-    from eval.fair.records import read_index, records_dir, write_index
+    from study.records import read_index, records_dir, write_index
 
     src = records_dir(source)
     have = read_index(records)

@@ -280,7 +280,7 @@ class Comparison:
     paired: whether the seeds were resampled jointly for both sides (same seed ids).
     correction: the small-sample correction of the seed resampling (see _seed_expansion).
     draws: the replicates' ratios, ascending, a censored one at its bound: what a fit across
-        studies resamples (scripts/fair/ladder.py); not part of the JSON.
+        studies resamples (study/ladder.py); not part of the JSON.
     """
     split: str
     ratio: Ratio

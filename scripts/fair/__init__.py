@@ -1,1 +1,0 @@
-"""The fair comparison's parts (scripts/fair_compare.py is its command): plan, rerun, report, ladder."""
