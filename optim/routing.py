@@ -69,4 +69,17 @@ def route_parameters(model: torch.nn.Module, optimizer_name: str) -> list[Route]
         routes.append(Route(name, kind, "muon" if use_muon else "adamw"))
     return routes
 
+def routing_census(model: torch.nn.Module, optimizer_name: str) -> dict[str, dict[str, dict[str, int]]]:
+    """{optimizer: {kind: {"tensors": n, "params": elements}}}: what each optimizer steps, as a
+    run records it (environment.json), so that a comparison can show which optimizer owned
+    which parameters in the runs themselves. A DTensor counts its whole (global) size."""
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    census: dict[str, dict[str, dict[str, int]]] = {}
+    for route in route_parameters(model, optimizer_name):
+        entry = census.setdefault(route.optimizer, {}).setdefault(route.kind, {"tensors": 0, "params": 0})
+        entry["tensors"] += 1
+        entry["params"] += int(sizes[route.name])
+    return {opt: dict(sorted(kinds.items())) for opt, kinds in sorted(census.items())}
+
+
 ALL_KINDS = frozenset(kind for _, kind in ROUTING_RULES)

@@ -125,6 +125,14 @@ def check_settings(study: dict) -> None:
     reused = sorted(set(seeds) & set(tune_seeds))
     if reused:
         raise PlanError(f"compare.seeds: seed {reused[0]} is also a tuning seed; the reported runs need fresh seeds")
+    if tuning.get("screen"):
+        noise = seed_list(tuning.get("noise_seeds") or [], "tuning.noise_seeds")
+        if len(tune_seeds) + len(noise) < 3:
+            raise PlanError(f"tuning.noise_seeds: the screen measures the seed noise of its start on the tuning and "
+                            f"noise seeds, at least 3 in all (have {len(tune_seeds) + len(noise)})")
+        clash = sorted(set(noise) & (set(seeds) | set(tune_seeds)))
+        if clash:
+            raise PlanError(f"tuning.noise_seeds: seed {clash[0]} is also a tuning or comparison seed")
     budgets = compare["budgets"]
     if not isinstance(budgets, list) or not all(isinstance(b, (int, float)) for b in budgets):
         raise PlanError(f"compare.budgets must be a list of multiples of the 1x steps, got {budgets!r}")
@@ -135,7 +143,10 @@ def check_settings(study: dict) -> None:
         raise PlanError(f"compare.budgets={budgets}: the comparison needs at least 3 budgets, 1.0 among them")
     if compare.get("steps") is not None:
         _int(compare, "compare.steps", 1)
-    _int(compare["retune"], "compare.retune.trials", 0)
+    retune = _int(compare["retune"], "compare.retune.trials", 0)
+    if 0 < retune < 3:
+        raise PlanError(f"compare.retune.trials={retune}: a retune tries the lr's centre and both neighbours, at "
+                        "least 3 trials (more leave room to extend past an edge); 0 keeps the 1x lr everywhere")
     if not float(compare["retune"]["step"]) > 1:
         raise PlanError(f"compare.retune.step must be > 1 (the lr grid's ratio), got {compare['retune']['step']}")
     _int(compare, "compare.eval_points", 1)

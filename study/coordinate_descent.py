@@ -137,6 +137,11 @@ class CoordinateDescent:
     def round(self) -> int:
         return self._round
 
+    def grid(self, name: str) -> list[float]:
+        """The points of dim `name` the search knows now: its grid, with every extension and
+        refinement added so far."""
+        return list(self._grids[name])
+
     def summary(self) -> str:
         """One line for the report: the trials spent and whether (and when) the side converged."""
         spent = f"{len(self._history)} of {self.trials} trials"

@@ -157,7 +157,8 @@ def estimate_seconds(plan: Plan, cost: RunCost, start_s: float = 0.0) -> dict[st
     its eval points); the first run's one-off cost is counted once, and the study's own start
     (`start_s`: its imports and plan) before them."""
     c, t = plan.compare, plan.tuning
-    per_stage = {"start": start_s, "tune": 0.0, "retune": 0.0, "final": 0.0}
+    per_stage = {"start": start_s, "screen": 0.0, "tune": 0.0, "retune": 0.0, "final": 0.0}
+    screen = getattr(plan, "budget_per_side", {}).get("runs", {}).get("screen", 0)
 
     def trial(steps: int, side: str) -> float:
         return cost.start_up_s + steps * cost.step_s[side] + cost.eval_s
@@ -171,9 +172,12 @@ def estimate_seconds(plan: Plan, cost: RunCost, start_s: float = 0.0) -> dict[st
         per_stage["final"] += len(c["seeds"]) * math.fsum(final(n, side) for n in c["steps"])
         if plan.chosen:  # a rerun: the final runs only
             continue
+        per_stage["screen"] += screen * trial(c["steps_1x"], side)
         per_stage["tune"] += t["trials"] * seeds * trial(c["steps_1x"], side)
         per_stage["retune"] += c["retune"]["trials"] * seeds * math.fsum(trial(n, side) for n in c["steps"][1:])
-    per_stage["tune" if not plan.chosen else "final"] += cost.first_s
+    per_stage["screen" if screen else "tune" if not plan.chosen else "final"] += cost.first_s
+    if not screen:
+        del per_stage["screen"]
     per_stage["total"] = math.fsum(per_stage.values())
     return per_stage
 

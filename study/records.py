@@ -34,7 +34,7 @@ from data.hashing import digest
 
 RECORDS, RUNS, REPORT = "records", "runs", "report"
 PLAN_FILE, INDEX_FILE = "plan.json", "index.jsonl"
-STAGES = ("tune", "retune", "final")
+STAGES = ("screen", "tune", "retune", "final")
 OK, DIVERGED, CRASHED = "ok", "diverged", "crashed"
 # What the tuning runs are scored on (eval.objective): the tuning split, never a reported figure.
 TUNE_KEY = "val/tune/loss"
@@ -222,6 +222,8 @@ def check_belongs(plan: dict[str, Any], entry: Entry, run: Any = None) -> None:
         if entry.budget not in plan["compare"]["budgets"]:
             raise StudyError(f"{where}: budget {entry.budget:g}x is not one of this study's compare.budgets "
                              f"{plan['compare']['budgets']}: records of another study mixed in; {MOVE_ASIDE}")
+    elif entry.stage == "screen":
+        seeds, key = [*plan["tuning"]["seeds"], *(plan["tuning"].get("noise_seeds") or [])], "tuning seeds and noise_seeds"
     else:
         seeds, key = plan["tuning"]["seeds"], "tuning.seeds"
     if entry.seed not in seeds and not (entry.stage != "final" and plan.get("chosen")):
@@ -247,11 +249,13 @@ def check_unique(entries: list[Entry]) -> None:
 @dataclass
 class StudyData:
     """A study as its records give it: the plan (plan.json as a dict), the index, and each
-    final run's metrics, {metric: (steps, values)}, by record name."""
+    final run's metrics, {metric: (steps, values)}, environment.json and config, by record name."""
 
     plan: dict[str, Any]
     entries: list[Entry]
     series: dict[str, dict[str, tuple[list[int], list[float]]]]
+    environments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def of(self, stage: str, side: Optional[str] = None, budget: Optional[float] = None) -> list[Entry]:
         return [e for e in self.entries if e.stage == stage and (side is None or e.side == side)
@@ -267,6 +271,8 @@ def load_study(study: Path) -> StudyData:
     entries = read_index(records)
     check_unique(entries)
     series: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    environments: dict[str, dict[str, Any]] = {}
+    configs: dict[str, dict[str, Any]] = {}
     corpora: dict[str, str] = {}
     models: dict[str, str] = {}
     for e in entries:
@@ -280,13 +286,15 @@ def load_study(study: Path) -> StudyData:
             models.setdefault(model, e.name)
         if e.stage == "final":
             series[e.name] = run.series
+            environments[e.name] = run.environment or {}
+            configs[e.name] = run.config or {}
     if len(corpora) > 1:
         named = ", ".join(f"{c} ({name})" for c, name in sorted(corpora.items()))
         raise StudyError(f"records mix corpora: {named}")
     if len(models) > 1:
         names = sorted(models.values())
         raise StudyError(f"records mix models: {names[0]} and {names[1]} have different model.* settings")
-    data = StudyData(plan, entries, series)
+    data = StudyData(plan, entries, series, environments, configs)
     check_equal_budgets(data)
     return data
 

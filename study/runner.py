@@ -35,7 +35,9 @@ from study.runs import given, run_overrides, run_steps
 from study.progress import StudyProgress, say
 from study.records import (CRASHED, DIVERGED, OK, PLAN_FILE, TUNE_KEY, VAL_KEY, Entry, StudyError, check_belongs,
                            load_record, read_index, run_id, write_index)
+from study.screen import descent_node, full_space, screen_result, screen_trials
 from study.search_space import trial_overrides
+from study.search_state import study_states, write_states
 from study.space_config import lr_space, parse_space
 
 
@@ -102,11 +104,33 @@ class StudyRunner:
             say(f"the tuned settings of {self.plan.tuning.get('chosen_from')}: "
                 + "; ".join(f"{side} {values_text(values)}" for side, values in chosen.items()))
         else:
+            self.screen()
             chosen = self.tune()
             lrs = self.retune(chosen)
+            write_states(self.records, study_states(self.plan.as_dict(), self.merged_index()))
         self.final(chosen, lrs)
         reused = sum(1 for e in self.index if e.name in self.recorded)
         say(f"done: {len(self.index)} runs, {self.launched} trained now, {reused} taken from the records")
+
+    def screen(self) -> None:
+        """Every setting of both sides one grid step either side of the start, and the start on
+        the noise seeds (study/screen.py); the held settings that gain more than the seed noise
+        join the descent: each side's space becomes its descent space."""
+        if not self.plan.tuning.get("screen"):
+            return
+        seeds, noise = self.plan.tuning["seeds"], self.plan.tuning.get("noise_seeds") or []
+        per_side = {}
+        for side in self.plan.sides:
+            space = full_space(self.plan.as_dict(), side)
+            per_side[side] = [self.screen_entry(side, space, trial, seed) for trial in screen_trials(space)
+                              for seed in (seeds + noise if trial.dim is None else seeds)]
+        # In lockstep, the sides' trials alternating, as the descent's do.
+        self.execute([run for pair in zip(*per_side.values()) for run in pair])
+        result = screen_result(self.plan.as_dict(), self.index)
+        for line in result.lines():
+            say(f"screen: {line}")
+        self.spaces = {side: parse_space(side, descent_node(self.plan.as_dict(), side, result.joined))
+                       for side in self.plan.sides}
 
     def tune(self) -> dict[str, dict[str, float]]:
         """Each side's chosen values: the argmin of its tuning trials."""
@@ -168,6 +192,17 @@ class StudyRunner:
         self.execute(wanted)
 
     # ---- runs ----
+
+    def screen_entry(self, side: str, space: Any, trial: Any, seed: int) -> tuple[Entry, list[str]]:
+        steps, tokens = run_steps(self.plan, space, trial.values, 1.0)
+        overrides = run_overrides(self.plan.train, trial_overrides(space, trial.values),
+                                  self.plan.tuning["split_fraction"], steps, seed, TUNE_KEY)
+        rid = run_id(overrides)
+        entry = Entry(stage="screen", side=side, budget=1.0, name=f"screen/{side}/{trial.ordinal:03d}-{rid}-seed{seed}",
+                      run_id=rid, seed=seed, steps=steps, tokens_planned=tokens, status="", objective=None,
+                      ordinal=trial.ordinal, reason=trial.reason, dim=trial.dim, values=dict(trial.values),
+                      study=self.plan.study_id)
+        return entry, overrides
 
     def tune_entry(self, side: str, proposal: Any, seed: int) -> tuple[Entry, list[str]]:
         values = dict(proposal.values)
@@ -326,6 +361,9 @@ class StudyRunner:
         what = f"{entry.stage} {entry.side} {entry.budget:g}x"
         if entry.stage == "final":
             what += f" seed {entry.seed}"
+        elif entry.stage == "screen":
+            what += f" #{entry.ordinal} {entry.reason}" + (f" {entry.dim}={entry.values[entry.dim]:.4g}" if entry.dim
+                                                           else f" seed {entry.seed}")
         else:
             what += f" #{entry.ordinal} {entry.reason}" + (f" {entry.dim}={entry.values[entry.dim]:.4g}" if entry.dim else "")
         if entry.status == OK:
@@ -400,7 +438,7 @@ def run_name(entry: Entry, seeds_shown: bool = False) -> str:
     if entry.stage == "final":
         return f"{head} seed {entry.seed}"
     varied = f" {entry.dim}={entry.values[entry.dim]:.4g}" if entry.dim else " init"
-    return f"{head} #{entry.ordinal}{varied}" + (f" seed {entry.seed}" if seeds_shown else "")
+    return f"{head} #{entry.ordinal}{varied}" + (f" seed {entry.seed}" if seeds_shown or entry.stage == "screen" else "")
 
 
 def first_line(err: Any) -> str:

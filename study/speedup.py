@@ -147,23 +147,24 @@ def _check_tokens(tokens: Sequence[float], who: str) -> list[float]:
 
 
 def _ratio(xt: list[float], tt: list[float], ft: np.ndarray,
-           xb: list[float], bt: list[float], fb: np.ndarray) -> Ratio:
+           xb: list[float], bt: list[float], fb: np.ndarray, at: int = 0) -> Ratio:
     """The speedup from both sides' fitted curves (x = log tokens, t = tokens, f = the fit;
-    xt[0] == xb[0] is the 1x budget). A crossing at a budget, and a bound, are divided in
-    tokens, so that 3x is exactly 3 and not exp(log 3)."""
-    l_star, l_0 = ft[0], fb[0]  # the target's loss at 1x; the baseline's
+    xt[0] == xb[0] is the 1x budget), anchored at budget `at` of both (0: the 1x budget, the
+    headline). A crossing at a budget, and a bound, are divided in tokens, so that 3x is exactly
+    3 and not exp(log 3)."""
+    l_star, l_0 = ft[at], fb[at]  # the target's loss at the anchor; the baseline's
     # (Both inf, both diverged at 1x, takes the second branch and gives 1: no evidence either way.)
     if l_0 > l_star:  # the baseline is behind at equal tokens: how far must it go?
         x = reach(xb, fb, l_star)
         if x is None:
-            return Ratio(bt[-1] / bt[0], ">")
-        return Ratio(bt[xb.index(x)] / bt[0] if x in xb else math.exp(x - xb[0]))
+            return Ratio(bt[-1] / bt[at], ">")
+        return Ratio(bt[xb.index(x)] / bt[at] if x in xb else math.exp(x - xb[at]))
     # The baseline is at least as good at 1x: mirrored, the tokens the target needs to reach
     # the baseline's 1x loss, inverted, so the ratio goes below 1; both branches give 1 at L0 = L*.
     x = reach(xt, ft, l_0)
     if x is None:
-        return Ratio(tt[0] / tt[-1], "<")
-    return Ratio(tt[0] / tt[xt.index(x)] if x in xt else math.exp(xt[0] - x))
+        return Ratio(tt[at] / tt[-1], "<")
+    return Ratio(tt[at] / tt[xt.index(x)] if x in xt else math.exp(xt[at] - x))
 
 
 def speedup(target_tokens: Sequence[float], target_means: Sequence[float],
@@ -402,6 +403,23 @@ def _order_statistic(sorted_values: list[float], rank: int, lower: float, upper:
     return Ratio(value)
 
 
+def replicate_means(target: Side, base: Side, replicates: int, seed: int,
+                    correction: str = "t") -> tuple[np.ndarray, np.ndarray]:
+    """Each side's [R, budgets] mean final losses, one row per bootstrap replicate (see
+    compare): the seeds resampled, paired when the sides' seed ids match, and the re-selection
+    penalty added. The same seed gives the same rows, so another estimator over them (the
+    power-law fit, study/sensitivity.py) sees the draws the headline saw."""
+    rng = np.random.default_rng([seed, 0])
+    paired = target.seeds == base.seeds
+    idx_t = rng.integers(0, target.finals.shape[1], size=(replicates, target.finals.shape[1]))
+    idx_b = idx_t if paired else rng.integers(0, base.finals.shape[1], size=(replicates, base.finals.shape[1]))
+    mt = (_resampled_means(target.finals, idx_t, _seed_expansion(target.finals.shape[1], correction)).T
+          + _penalties(target, replicates, seed, 0))
+    mb = (_resampled_means(base.finals, idx_b, _seed_expansion(base.finals.shape[1], correction)).T
+          + _penalties(base, replicates, seed, 1))
+    return mt, mb
+
+
 def compare(target: Side, base: Side, replicates: int, seed: int, thresholds: Sequence[float] = (1.0, 1.1),
             *, split: str = "", correction: str = "t") -> Comparison:
     """The target's speedup over the baseline on one split, its 95% bootstrap interval, the
@@ -432,13 +450,7 @@ def compare(target: Side, base: Side, replicates: int, seed: int, thresholds: Se
     if replicates == 0:
         return Comparison(split, point, None, None, {}, (0.0, 0.0), 0, int(seed), paired, correction)
 
-    rng = np.random.default_rng([seed, 0])
-    idx_t = rng.integers(0, target.finals.shape[1], size=(replicates, target.finals.shape[1]))
-    idx_b = idx_t if paired else rng.integers(0, base.finals.shape[1], size=(replicates, base.finals.shape[1]))
-    mt = (_resampled_means(target.finals, idx_t, _seed_expansion(target.finals.shape[1], correction)).T
-          + _penalties(target, replicates, seed, 0))
-    mb = (_resampled_means(base.finals, idx_b, _seed_expansion(base.finals.shape[1], correction)).T
-          + _penalties(base, replicates, seed, 1))
+    mt, mb = replicate_means(target, base, replicates, seed, correction)
     values = sorted(_ratio(xt, tt, isotonic_decreasing(a), xb, bt, isotonic_decreasing(b)).as_float()
                     for a, b in zip(mt.tolist(), mb.tolist()))
 

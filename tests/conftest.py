@@ -144,10 +144,11 @@ def hf_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
 
 
-# The smallest fair study that still has every stage (scripts/fair_compare.py): 2 tuning trials a
-# side, 1 lr retuning trial a side at each longer budget, 3 budgets, 2 fresh seeds: 20 runs of 4
-# to 8 steps. One is made per test session, for every test that reads a study's records.
-FAIR_SMALL = ["--smoke", "tuning.trials=2", "compare.retune.trials=1", "compare.steps=4"]
+# A small fair study (scripts/fair_compare.py) with every stage but the screen (tested on a
+# synthetic launcher, and whole by the slow smoke test): 2 tuning trials a side, 3 lr retuning
+# trials a side at each longer budget, 3 budgets, 2 fresh seeds: 28 runs of 4 to 8 steps. One is
+# made per test session, for every test that reads a study's records.
+FAIR_SMALL = ["--smoke", "tuning.screen=false", "tuning.trials=2", "compare.retune.trials=3", "compare.steps=4"]
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def study(fair_study) -> tuple[Path, str]:
 def test_both_sides_spend_equal_runs_and_tokens(study):
     out, stdout = study
     data = load_study(out)
-    for stage, runs in (("tune", 2), ("retune", 2), ("final", 6)):
+    for stage, runs in (("tune", 2), ("retune", 6), ("final", 6)):
         a, b = data.of(stage, "muon"), data.of(stage, "adamw")
         assert len(a) == len(b) == runs, stage
         assert sum(e.tokens_planned for e in a) == sum(e.tokens_planned for e in b) > 0, stage
@@ -42,8 +42,8 @@ def test_both_sides_spend_equal_runs_and_tokens(study):
     assert "tune done: 2 runs and 512 tokens per side (equal)" in stdout
     # run k of N for every run, in order, with the study's clock
     counted = [line.split(":", 1)[0] for line in stdout.splitlines() if line.startswith("[fair] run ")]
-    assert counted == [f"[fair] run {k} of 20" for k in range(1, 21)]
-    assert "about " in next(line for line in stdout.splitlines() if line.startswith("[fair] run 2 of 20"))
+    assert counted == [f"[fair] run {k} of 28" for k in range(1, 29)]
+    assert "about " in next(line for line in stdout.splitlines() if line.startswith("[fair] run 2 of 28"))
     assert f"records: {out / 'records'}" in stdout and f"report: {out / 'report' / 'comparison.md'}" in stdout
     budget = json.loads((out / "report" / "comparison.json").read_text())["budget"]
     assert budget["muon"] == budget["adamw"]
@@ -53,7 +53,7 @@ def test_the_study_dir_holds_every_record_the_choice_the_table_and_the_plot(stud
     out, stdout = study
     records = out / "records"
     entries = read_index(records)
-    assert len(entries) == 20 and len({e.name for e in entries}) == 20
+    assert len(entries) == 28 and len({e.name for e in entries}) == 28
     for e in entries:
         record = records / e.name
         assert (record / "metrics.jsonl.gz").is_file() and (record / ".hydra" / "config.yaml").is_file(), e.name
@@ -68,9 +68,16 @@ def test_the_study_dir_holds_every_record_the_choice_the_table_and_the_plot(stud
         assert config["eval"]["objective"] == ("val/val/loss" if e.stage == "final" else "val/tune/loss"), e.name
         assert (e.seed in (0, 1)) == (e.stage == "final"), e.name
     report = (out / "report" / "comparison.md").read_text()
+    # 2 trials a side cannot converge: the study is unresolved, its speedups say so and give no p-value
+    assert "**Unresolved: the search of muon and adamw did not converge (see Search)." in report
     for split in ("val/val/loss", "val/ood_prose/loss"):
         row = next(line for line in report.splitlines() if line.startswith(f"| {split} |"))
-        assert "x" in row.split("|")[2] and "p(> 1x) = " in row and "p(> 1.1x) = " in row
+        assert "x, unresolved" in row.split("|")[2] and row.endswith("| unresolved |") and "p(>" not in row
+    for section in ("## Search", "## Scale", "## Which optimizer steps which parameters",
+                    "## The speedup read other ways", "## Would more tuning move the answer?"):
+        assert section in report, section
+    assert "| muon | muon | attn_k (2, 4,096), attn_o (2, 8,192)" in report  # from the runs' environment.json
+    assert "**The opening of training:** 0.0026 tokens a non-embedding parameter at 1x, below 1" in report
     assert "val/tune/loss |" not in report  # never a reported figure
     chosen = (out / "report" / "chosen.md").read_text()
     assert "- muon at 1x: " in chosen and "- adamw at 2x: lr=" in chosen
@@ -84,9 +91,9 @@ def test_a_finished_study_trains_nothing_when_run_again(study):
     before = {p: p.read_bytes() for p in (out / "records").rglob("*") if p.is_file()}
     proc = fair(*SMALL, "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[fair] done: 20 runs, 0 trained now, 20 taken from the records" in proc.stdout
-    assert "the records hold 20 runs: each one this plan asks for is taken from there" in proc.stdout
-    assert sum(1 for line in proc.stdout.splitlines() if line.endswith("(from the records)")) == 20
+    assert "[fair] done: 28 runs, 0 trained now, 28 taken from the records" in proc.stdout
+    assert "the records hold 28 runs: each one this plan asks for is taken from there" in proc.stdout
+    assert sum(1 for line in proc.stdout.splitlines() if line.endswith("(from the records)")) == 28
     assert {p: p.read_bytes() for p in (out / "records").rglob("*") if p.is_file()} == before
 
 
@@ -100,7 +107,7 @@ def test_an_interrupted_study_trains_only_what_is_missing(study, tmp_path):
     write_index(copy / "records", [e for e in entries if e.name != gone.name])
     proc = fair(*SMALL, "--out", str(copy))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[fair] done: 20 runs, 1 trained now, 19 taken from the records" in proc.stdout
+    assert "[fair] done: 28 runs, 1 trained now, 27 taken from the records" in proc.stdout
     # CPU training is deterministic: the run trained again is the run recorded before
     again = {e.name: e for e in read_index(copy / "records")}
     assert again.keys() == {e.name for e in entries} and again[gone.name].objective == gone.objective
@@ -231,6 +238,11 @@ def test_the_dry_run_prints_the_plan_and_trains_nothing(tmp_path):
     (["tuning.start_from=no/such/study"], "error: tuning.start_from=no/such/study: no/such/study: no records/plan.json"),
     (["tuning.dims=[lr,momentum]"], "error: tuning.dims: momentum is not a dimension of adamw; a study tunes the same"),
     (["tuning.dims=[]"], "error: tuning.dims must be a non-empty list of dimension names, got []"),
+    (["compare.retune.trials=2"], "error: compare.retune.trials=2: a retune tries the lr's centre and both neighbours, "
+                                  "at least 3 trials"),
+    (["tuning.screen=true", "tuning.noise_seeds=[0]"], "error: tuning.noise_seeds: the screen measures the seed noise"),
+    (["tuning.screen=true", "tuning.noise_seeds=[0,7]"], "error: tuning.noise_seeds: seed 0 is also a tuning or "
+                                                         "comparison seed"),
     (["tuning.dims=[lrr]"], "error: tuning.dims: lrr is not a dimension of muon, adamw; a study tunes the same "
                             "dimensions on both sides (did you mean lr? both have: lr, embed_lr_mult,"),
     (["tuning.trails=3"], "error: tuning.trails: no such study key (did you mean tuning.trials? tuning's keys: trials,"),
@@ -268,6 +280,10 @@ def test_the_smoke_study_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = load_study(tmp_path / "smoke")
     assert len(data.of("tune", "muon")) == len(data.of("tune", "adamw")) == data.plan["tuning"]["trials"]
+    # the screen: the start on 3 seeds, and 2 steps for each of the 11 settings, a side
+    assert len(data.of("screen", "muon")) == len(data.of("screen", "adamw")) == 3 + 2 * 11
+    assert (tmp_path / "smoke" / "records" / "search.json").is_file()
+    assert "## Search" in (tmp_path / "smoke" / "report" / "comparison.md").read_text()
     assert (tmp_path / "smoke" / "report" / "loss_vs_tokens.png").is_file()
     assert (tmp_path / "smoke" / "records" / INDEX_FILE).is_file()
 
@@ -322,7 +338,7 @@ def test_a_diverged_or_crashed_run_is_recorded_counted_and_never_chosen(study, t
     assert (launch.in_flight, launch.local) == (None, False)
     StudyRunner(tmp_path / "records", tmp_path / "runs", launch).run()
     entries = read_index(tmp_path / "records")
-    assert len(entries) == len(launched) == 20
+    assert len(entries) == len(launched) == 28
     first, second = entries[0], entries[1]
     assert (first.stage, first.side, first.status, first.objective) == ("tune", "muon", "diverged", None)
     assert (second.side, second.status, second.error) == ("adamw", "crashed", "RuntimeError: boom")
@@ -381,3 +397,27 @@ def test_the_dry_runs_estimate_counts_each_runs_start_its_steps_and_its_evaluati
     assert seconds["retune"] == pytest.approx((2 + 6 + 0.25) + (2 + 3 + 0.25))
     assert seconds["final"] == pytest.approx(2 * ((2 + 4 + 1.5) + (2 + 6 + 1.5)) + 2 * ((2 + 2 + 1.5) + (2 + 3 + 1.5)))
     assert seconds["total"] == pytest.approx(sum(v for k, v in seconds.items() if k != "total"))
+
+
+def test_a_resolved_study_prints_its_p_values_and_an_unresolved_one_that_word():
+    from study.report import ratio_text
+    from study.speedup import Comparison, Ratio
+
+    c = Comparison("val/val/loss", Ratio(1.3), Ratio(1.1), Ratio(1.5), {1.0: 0.01, 1.1: 0.04}, (0.0, 0.0), 99, 0,
+                   True, "t")
+    assert ratio_text(c) == ("1.30x", "1.10x to 1.50x", "p(> 1x) = 0.0100, p(> 1.1x) = 0.0400")
+    assert ratio_text(c, resolved=False) == ("1.30x, unresolved", "1.10x to 1.50x", "unresolved")
+
+
+def test_a_budget_added_to_a_finished_study_trains_only_its_own_runs(study, tmp_path):
+    """What a report advises for a crossing past the budgets: the same command with the budget
+    added takes every recorded run and trains only the new budget's retune and finals."""
+    out, _ = study
+    copy = tmp_path / "study"
+    shutil.copytree(out / "records", copy / "records")
+    proc = fair(*SMALL, "compare.budgets=[1.0,1.5,2.0,3.0]", "--out", str(copy))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 3 retune trials and 2 final seeds a side at 3x
+    assert "[fair] done: 38 runs, 10 trained now, 28 taken from the records" in proc.stdout
+    new = [e for e in read_index(copy / "records") if e.budget == 3.0]
+    assert sorted((e.stage, e.side) for e in new).count(("final", "muon")) == 2 and len(new) == 10

@@ -118,10 +118,10 @@ def test_a_stopped_study_says_why_what_is_recorded_and_how_to_resume(fair_study)
     out, _ = fair_study
     plan = Plan.from_json((out / "records" / "plan.json").read_text())
     assert stop_lines(plan, out / "records", 143, "python x.py") == [
-        f"stopped (SIGTERM): 20 of 20 runs are recorded in {out / 'records'}; a run cut short is not (the same "
+        f"stopped (SIGTERM): 28 of 28 runs are recorded in {out / 'records'}; a run cut short is not (the same "
         "command takes it from its run dir if it finished, or trains it again, from its checkpoint where it saved one)",
         "to resume: python x.py"]
-    assert stop_lines(plan, out / "records", 1, "python x.py")[0].startswith("training stopped (exit 1): 20 of 20")
+    assert stop_lines(plan, out / "records", 1, "python x.py")[0].startswith("training stopped (exit 1): 28 of 28")
 
 
 # ---- records ----
@@ -142,7 +142,7 @@ def test_a_corrupt_record_is_named_in_one_line_and_the_study_runs_it_again_once_
     shutil.move(study / "records" / entry.name, tmp_path / "aside")
     proc = fair(*FAIR_SMALL, "--out", str(study))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[fair] done: 20 runs, 1 trained now, 19 taken from the records" in proc.stdout
+    assert "[fair] done: 28 runs, 1 trained now, 27 taken from the records" in proc.stdout
 
 
 def test_a_truncated_last_index_line_is_refused_by_the_report_and_repaired_by_the_study(fair_study, tmp_path):
@@ -151,11 +151,11 @@ def test_a_truncated_last_index_line_is_refused_by_the_report_and_repaired_by_th
     whole = index.read_bytes()
     index.write_bytes(whole[: len(whole) - 60])  # a copy cut short
     line = one_error_line(fair("--report", str(study)))
-    assert line.startswith(f"error: {index}:20: its last line is cut short; the study's command repairs it")
+    assert line.startswith(f"error: {index}:28: its last line is cut short; the study's command repairs it")
     proc = fair(*FAIR_SMALL, "--out", str(study))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"[fair] {index}: its last line was cut short" in proc.stdout
-    assert "[fair] done: 20 runs, 0 trained now, 19 taken from the records" in proc.stdout  # the 20th: its record
+    assert "[fair] done: 28 runs, 0 trained now, 27 taken from the records" in proc.stdout  # the 28th: its record
     assert index.read_bytes() == whole  # the same line, made again from its record
 
 

@@ -12,19 +12,20 @@ from pathlib import Path
 import pytest
 
 from study.speedup import Comparison, Ratio
-from study.ladder import LADDER_BEGIN, LADDER_END, Rung, replace_block, trend, trend_line
-from study.report import model_params
+from study.analysis import Scale, model_params
+from study.ladder import LADDER_BEGIN, LADDER_END, Rung, fit_rungs, replace_block, trend, trend_line
 from tests.conftest import REPO
 from tests.prestarted import run_python
 
 SMOKE = REPO / "lab" / "results" / "fair_smoke"
 
 
-def rung(params: int, speedup: float, draws: tuple[float, ...], experts: int = 0) -> Rung:
+def rung(params: int, speedup: float, draws: tuple[float, ...], experts: int = 0, resolved: bool = True,
+         tokens_per_step: int = 512) -> Rung:
     c = Comparison("val/val/loss", Ratio(speedup), Ratio(min(draws)), Ratio(max(draws)), {1.0: 0.5}, (0.0, 0.0),
                    len(draws), 0, True, "t", tuple(sorted(draws)))
-    return Rung(f"r{params}", f"m{params}", experts, params, params, 20 * params, 40 * params, None, 4, 8,
-                {"val/val/loss": c})
+    scale = Scale(params, params, tokens_per_step, [40, 80], None, 8, 11, 4, 0.5)
+    return Rung(f"r{params}", f"m{params}", experts, scale, {"val/val/loss": c}, resolved)
 
 
 def test_the_trend_is_the_factor_per_ten_times_the_parameters():
@@ -34,7 +35,9 @@ def test_the_trend_is_the_factor_per_ten_times_the_parameters():
     t = trend(rungs, "val/val/loss", replicates=999, seed=0)
     assert t.factor == pytest.approx(0.9, rel=1e-12)
     assert t.lo == pytest.approx(0.9, rel=1e-12) and t.hi == pytest.approx(0.9, rel=1e-12)
-    assert t.p_no_decline == pytest.approx(1 / 1000) and t.rungs == 3 and t.at_bound == 0.0
+    # p(> x1), that it does not grow, is 1; p(< x1), that it does not shrink, the smallest there is
+    assert t.p_up == pytest.approx(1.0) and t.p_down == pytest.approx(1 / 1000)
+    assert t.rungs == 3 and t.at_bound == 0.0
 
 
 def test_the_trends_interval_resamples_each_rung_apart_and_leaves_the_moe_out():
@@ -45,7 +48,7 @@ def test_the_trends_interval_resamples_each_rung_apart_and_leaves_the_moe_out():
     t = trend(rungs, "val/val/loss", replicates=999, seed=0)
     assert t.rungs == 2 and t.factor == pytest.approx(1.0)
     assert t.lo == pytest.approx(0.5) and t.hi == pytest.approx(2.0)
-    assert 0.6 < t.p_no_decline < 0.9  # slope >= 0 in 3 of the 4 pairings
+    assert 0.6 < t.p_down < 0.9 and 0.6 < t.p_up < 0.9  # slope >= 0 in 3 of the 4 pairings, <= 0 in 3
     assert trend(rungs[:1] + rungs[2:], "val/val/loss", 99, 0) is None  # one dense size: no line
 
 
@@ -112,8 +115,11 @@ def test_a_dir_of_studies_gets_every_report_the_ladder_and_the_pages_block(tmp_p
     text = page.read_text()
     assert "stale" not in text and text.endswith(f"{LADDER_END}\n\nprose after\n")
     rows = [line for line in text.splitlines() if line.startswith("| gpt_tiny")]
-    assert len(rows) == 2 and all(f"| {val:.2f}x (" in row for row in rows), rows
-    assert "Trend, val: x1.00 per 10x non-embedding parameters" in text  # the same speedup at both sizes
+    assert len(rows) == 2 and all(f"| {val:.2f}x, unresolved (" in row and row.endswith(") | - |")
+                                  for row in rows), rows
+    # the smoke study's searches did not converge: no rung enters a trend
+    assert "Trend: no trend is fitted: it needs two resolved dense rungs of different sizes at one tokens a step; " \
+           "small, deep are unresolved" in text
     ladder = (root / "ladder.md").read_text()
     assert all(row in ladder for row in rows)
 
@@ -158,16 +164,32 @@ def test_the_committed_ladder_and_the_published_tables_are_made_again_from_the_c
 def test_the_plots_name_what_they_draw(tmp_path):
     """speedup_vs_size.png names each rung beside its points; loss_vs_tokens.png draws each side's
     seed band, labels its reference lines and ticks every budget (1x, 1.5x, 2x, with its tokens)."""
-    from study.ladder import plot as ladder_plot
+    from study.analysis import analyse
+    from study.plots import loss_vs_tokens, speedup_vs_size, speedup_vs_trials
     from study.records import load_study
-    from study.report import comparisons, plot as report_plot, reported_splits
 
-    rungs = [rung(10 ** e, 1.2, (1.1, 1.2, 1.3)) for e in (6, 7)]
-    assert ladder_plot(rungs, [trend(rungs, "val/val/loss", 99, 0)], tmp_path / "size.png") == ["r1000000", "r10000000"]
-    data = load_study(SMOKE / "records")
-    labels = report_plot(data, reported_splits(data), comparisons(data), tmp_path / "loss.png")
+    rungs = [rung(10 ** 6, 1.2, (1.1, 1.2, 1.3)), rung(10 ** 7, 1.2, (1.1, 1.2, 1.3), resolved=False)]
+    assert speedup_vs_size(rungs, [trend(rungs, "val/val/loss", 99, 0)], tmp_path / "size.png") == [
+        "r1000000", "r10000000 (unresolved)"]
+    analysis = analyse(load_study(SMOKE / "records"))
+    assert speedup_vs_trials(analysis, tmp_path / "k.png") == ["val", "ood_prose"]
+    labels = loss_vs_tokens(analysis, tmp_path / "loss.png")
     for label in ("muon: seeds' range", "adamw: seeds' range", "muon: mean, monotone fit", "1x\n384", "1.5x\n576",
                   "2x\n768"):
         assert label in labels, (label, labels)
     assert any(label.startswith("muon's loss at 1x (") for label in labels)
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+def test_a_trend_is_fitted_only_over_resolved_dense_rungs_at_one_tokens_a_step():
+    """A rung whose search did not converge stays out; rungs at different tokens a step (a batch
+    that grows with size) refuse the trend, saying why; an MoE rung never enters."""
+    at_512 = [rung(10 ** 6, 1.1, (1.1,) * 4), rung(10 ** 7, 1.2, (1.2,) * 4), rung(10 ** 8, 3.0, (3.0,) * 4, experts=8)]
+    fitted, refused = fit_rungs(at_512)
+    assert [r.name for r in fitted] == ["r1000000", "r10000000"] and refused is None
+    fitted, refused = fit_rungs([at_512[0], rung(10 ** 7, 1.2, (1.2,) * 4, tokens_per_step=2048)])
+    assert fitted == [] and refused == (
+        "no trend is fitted: it needs two resolved dense rungs of different sizes at one tokens a step; the resolved "
+        "dense rungs run 512, 2,048 tokens a step, so size and batch cannot be told apart")
+    fitted, refused = fit_rungs([at_512[0], rung(10 ** 7, 1.2, (1.2,) * 4, resolved=False)])
+    assert fitted == [] and refused.endswith("r10000000 is unresolved (a side's search did not converge)")

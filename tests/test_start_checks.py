@@ -366,9 +366,11 @@ def test_help_names_every_parallel_key_with_its_default():
 # ---- under torchrun ----
 
 
-def torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def torchrun(run_dir: Path, *overrides: str, wrapper: bool = False) -> subprocess.CompletedProcess:
+    """train.py under torchrun, or under scripts/torchrun.py (`wrapper`), which runs torchrun."""
+    launcher = ["scripts/torchrun.py"] if wrapper else ["-m", "torch.distributed.run"]
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+        [sys.executable, *launcher, "--standalone", "--nproc_per_node=2", "train.py",
          f"hydra.run.dir={run_dir}", f"data.cache_dir={run_dir.parent / 'cache'}", "trainer.device=cpu",
          "logger.wandb.mode=disabled", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -409,31 +411,21 @@ def unusable_checkpoint(run_dir: Path) -> tuple[list[str], str, int]:
 ])
 def test_under_torchrun_the_refusal_is_the_root_cause_of_its_summary(tmp_path, case):
     """Before: our line, then torchrun's summary naming no cause ("To enable traceback see ..."),
-    and rank 1 repeating rank 0's config warnings."""
+    and rank 1 repeating rank 0's config warnings. Bad input runs under scripts/torchrun.py, which
+    runs torchrun as it is and then ends with the rank's line and exits with its code (torchrun's
+    own is 1 whatever the rank said)."""
     overrides, said, warnings = case(tmp_path / "run")
-    proc = torchrun(tmp_path / "run", *overrides)
+    wrapped = case is bad_layout
+    proc = torchrun(tmp_path / "run", *overrides, wrapper=wrapped)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]  # torchrun's own code when a rank fails
+    assert proc.returncode == (2 if wrapped else 1), output[-3000:]  # the rank's code, or torchrun's
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if wrapped:  # the wrapper's copy of the line is the last thing on stderr
+        assert proc.stderr.rstrip("\n").splitlines()[-1] == errors[-1]
+        errors = errors[:-1]
     assert len(errors) == 1 and errors[0].startswith(said), output[-3000:]  # from rank 0 alone
     cause = root_cause(proc.stderr)
     assert "exitcode  : 2 " in cause and f"traceback : {errors[0]}\n" in cause, cause
     assert our_frames(output) == []
     assert output.count("< optim.warmup_steps=") == warnings
 
-
-def test_scripts_torchrun_ends_with_our_line_and_the_ranks_own_exit_code(tmp_path):
-    """torchrun exits 1 whatever a rank said, with its report after our line; the wrapper runs
-    the same command and ends with the rank's line, exiting with its code (2: bad input)."""
-    overrides, said, _ = bad_layout(tmp_path / "run")
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "scripts/torchrun.py", "--standalone", "--nproc_per_node=2", "train.py",
-         f"hydra.run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.device=cpu",
-         "logger.wandb.mode=disabled", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
-    last = proc.stderr.rstrip("\n").splitlines()[-1]
-    assert last.startswith(said), proc.stderr[-3000:]
-    assert "Root Cause (first observed failure):" in proc.stderr  # torchrun's report is still there, above it

@@ -23,6 +23,7 @@ from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.muon.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
+from optim.routing import routing_census
 from optim.schedule import lr_at, warmup_steps, warmup_words
 from trainer.checkpoint import files as checkpoint_files
 from trainer.checkpoint import state as checkpoint_state
@@ -180,6 +181,7 @@ class Trainer:
                 dp_shard=self.mesh.layout.dp_shard, ep=self.mesh.ep,
                 simulated_rank=self.mesh.rank if simulate.simulating(cfg) else None,
                 pp=self.mesh.pp, pipeline=pipeline_record(cfg) if plan is not None else None,
+                optimizers=routing_census(self.model, cfg.optim.name),
             )
             self._write_resolved_config()
             run_env.save_tokenizer(run_dir, self.data.tokenizer)

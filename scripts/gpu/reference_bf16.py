@@ -35,7 +35,7 @@ def largest_dense_rung(root: Path = LADDER) -> Optional[Path]:
     import json
 
     from study.ladder import study_dirs
-    from study.report import model_params
+    from study.analysis import model_params
 
     dense = []
     for path in study_dirs(root):

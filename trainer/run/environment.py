@@ -84,12 +84,14 @@ def device_name(device: torch.device) -> str:
 def environment(device: torch.device, world_size: int, dp: int, tp: int, backend: str,
                 corpus: dict[str, Any], dp_shard: int = 1, ep: int = 1,
                 simulated_rank: Optional[int] = None, pp: int = 1,
-                pipeline: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                pipeline: Optional[dict[str, Any]] = None,
+                optimizers: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """`simulated_rank`: this process ran alone as that rank of the `world_size`-rank layout
     (parallel.simulate_world, trainer/simulation/one_rank.py), None for a training run. `pipeline`: under
     a pipeline (pp > 1), its schedule and stage split (trainer/pipeline.py pipeline_record),
     recorded in the layout with pp; without one the layout has no pp key, as every record
-    written before pipelines existed (a reader takes pp as 1)."""
+    written before pipelines existed (a reader takes pp as 1). `optimizers`: which optimizer steps
+    which parameter family (optim/routing.py routing_census; rank 0's stage under a pipeline)."""
     import torch
 
     record = {
@@ -111,6 +113,8 @@ def environment(device: torch.device, world_size: int, dp: int, tp: int, backend
         "corpus": corpus,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if optimizers is not None:
+        record["optimizers"] = optimizers
     if simulated_rank is not None:
         # Its losses mean nothing: one process over fake process groups, no data exchanged.
         record["simulation"] = {"simulate_world": world_size, "simulate_rank": simulated_rank, "processes": 1}
