@@ -38,31 +38,31 @@ test-slow: $(SETUP)
 test-gpu: $(SETUP)
 	$(PY) -m pytest -m gpu
 
-# The GPU benchmark: ours (AdamW, Muon) against scripts/bench/reference_gpt.py at gpt_124m, at one
+# The GPU benchmark: ours (AdamW, Muon) against lab/tools/bench/reference_gpt.py at gpt_124m, at one
 # micro-batch (16 x 1024 tokens) and at 0.5M tokens per optimizer step (32 accumulated
 # micro-batches, as users train, where Newton-Schulz is amortised over 32x the tokens), then
 # moe_1b with Muon (tokens/s, MFU, kernels and host syncs per step, GPU busy %, peak memory),
 # then the Muon step at gpt_124m against its Newton-Schulz FLOP floor.
 # On a GPU image with its own torch: make bench-gpu PY=python3 SETUP=
 bench-gpu: $(SETUP)
-	$(PY) scripts/bench/bench_train.py --models gpt_124m --modes compiled --precisions bf16 \
+	$(PY) lab/tools/bench/bench_train.py --models gpt_124m --modes compiled --precisions bf16 \
 		--optims adamw muon --batch-size 16 --seq-len 1024 --warmup 3 --rounds 5 --steps 10 --census
-	$(PY) scripts/bench/bench_train.py --models gpt_124m --modes compiled --precisions bf16 \
+	$(PY) lab/tools/bench/bench_train.py --models gpt_124m --modes compiled --precisions bf16 \
 		--optims adamw muon --batch-size 16 --seq-len 1024 --tokens-per-step 524288 \
 		--warmup 2 --rounds 3 --steps 1 --census
-	$(PY) scripts/bench/bench_train.py --models moe_1b --modes compiled --precisions bf16 \
+	$(PY) lab/tools/bench/bench_train.py --models moe_1b --modes compiled --precisions bf16 \
 		--optims muon --batch-size 8 --seq-len 2048 --warmup 3 --rounds 3 --steps 5 --census
-	$(PY) scripts/bench/bench_optimizer.py --model gpt_124m --dtypes bf16 --warmup 5 --repeats 20
+	$(PY) lab/tools/bench/bench_optimizer.py --model gpt_124m --dtypes bf16 --warmup 5 --repeats 20
 
-# One GPU check that fits in 10 minutes on one H100/H200 (scripts/gpu/check_gpu.py; the steps, their
-# limits and the budget's arithmetic: scripts/gpu/check_gpu.py --dry-run). Beside test-gpu's tests (on
+# One GPU check that fits in 10 minutes on one H100/H200 (lab/tools/gpu/check_gpu.py; the steps, their
+# limits and the budget's arithmetic: lab/tools/gpu/check_gpu.py --dry-run). Beside test-gpu's tests (on
 # pytest-xdist workers where installed) run the fair study's tuned choice in bf16
 # (compare-gpu's rerun, with its report) and gpt_1b's loss after 200 steps in bf16 and FP8;
 # then, each alone on the GPU: the plain step of ../shared/bench/, bench-gpu's gpt_124m rows at
 # 16k tokens per step, the Muon step, gpt_1b in bf16 and FP8 with AdamW and Muon at the batch the
 # planner picks (tokens/s, MFU, peak memory), and moe_1b. summary.md states each goal against what
 # was measured. Steps the budget no longer fits (gpt_124m at 0.5M tokens, the Newton-Schulz method
-# table, the EP dispatch, the one-rank dry runs) run with scripts/gpu/check_gpu.py --only NAME.
+# table, the EP dispatch, the one-rank dry runs) run with lab/tools/gpu/check_gpu.py --only NAME.
 # Each step has its own time limit and runs whatever became of the ones before; after each,
 # $(OUT_DIR)/summary.md is rewritten beside each step's full log and the whole of $(OUT_DIR) is
 # packed into $(OUT_DIR).tar.gz, the one file to copy back (a killed check still leaves one).
@@ -72,14 +72,14 @@ bench-gpu: $(SETUP)
 OUT_DIR ?= check-gpu
 PLAIN_STEP ?=
 check-gpu: $(SETUP)
-	$(PY) scripts/gpu/check_gpu.py --out $(OUT_DIR) $(if $(PLAIN_STEP),--plain $(PLAIN_STEP))
+	$(PY) lab/tools/gpu/check_gpu.py --out $(OUT_DIR) $(if $(PLAIN_STEP),--plain $(PLAIN_STEP))
 
-# The fair study's tuned choice in bf16 on one GPU, in about 4 minutes (scripts/gpu/reference_bf16.py):
+# The fair study's tuned choice in bf16 on one GPU, in about 4 minutes (lab/tools/gpu/reference_bf16.py):
 # each side's settings from lab/results/fair's largest dense rung at every budget, on fresh seeds,
 # 4 runs at a time, into lab/results/fair_bf16/<rung>/ (records/ to commit, report/ the same
 # report as the fp32 study's: speedup, 95% interval, p-values). Run again, it trains what is missing.
 compare-gpu: $(SETUP)
-	$(PY) scripts/gpu/reference_bf16.py
+	$(PY) lab/tools/gpu/reference_bf16.py
 
 test-all: $(SETUP)
 	$(PY) -m pytest

@@ -3,7 +3,7 @@ host syncs, device kernels, how busy the device was, and peak memory.
 
 Two uses: the CPU guards in tests/test_step_census.py, which hold the hot path to a fixed
 number of host syncs and to an operator count near the plain reference's (so a gain made on
-a GPU cannot silently regress where no GPU runs); and scripts/bench/bench_train.py --census, which
+a GPU cannot silently regress where no GPU runs); and lab/tools/bench/bench_train.py --census, which
 prints the same figures beside tokens/s on a GPU.
 
 An operator is counted when it is a top-level aten op of the step (an `aten::` event none of

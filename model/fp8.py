@@ -77,7 +77,7 @@ def linear_config(recipe: str, fsdp_all_gather: bool, device: torch.device):
     the recipe is tensorwise (torchao supports it for no other). Off CUDA the matmuls are
     emulated: the same float8 casts, then the product in high precision, because a CPU has no
     float8 units, and torch's CPU _scaled_mm ran far slower than the emulation
-    (scripts/bench/bench_fp8_cpu.py, lab/BENCHMARKS.md)."""
+    (lab/tools/bench/bench_fp8_cpu.py, lab/BENCHMARKS.md)."""
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
     return replace(config, enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise",
                    emulate=device.type != "cuda")

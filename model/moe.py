@@ -202,7 +202,7 @@ class MoE(nn.Module):
 
     def set_ep_group(self, group: Group) -> None:
         """Spread the experts over `group` (parallelize_moe), or not (None). A group of one runs
-        the EP path too: what scripts/bench/bench_ep_dispatch.py times."""
+        the EP path too: what lab/tools/bench/bench_ep_dispatch.py times."""
         self.ep_group, self.expert_parallel = group, group is not None
 
     # Outside torch.compile's graphs, whole: its dispatch syncs with the host and breaks the graph

@@ -81,7 +81,7 @@ def check_tp_divisibility(cfg: ModelConfig, tp: int, split_experts: bool = True)
 
 # The dimension TP splits, by parameter-name suffix (0: output rows, 1: input columns);
 # anything else is replicated. parallelize_tp below must agree (a test checks it); tools
-# that reason about layouts without processes (scripts/bench/bench_comm.py) read it here.
+# that reason about layouts without processes (lab/tools/bench/bench_comm.py) read it here.
 TP_SPLIT_BY_SUFFIX: dict[str, int] = {
     "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
     "w_gate.weight": 0, "w_up.weight": 0, "w_down.weight": 1,  # dense MLP and shared experts
@@ -183,7 +183,3 @@ def _split_swiglu(mlp: nn.Module, group: Group) -> None:
     mlp.w_gate = ColumnParallelLinear(mlp.w_gate, group)
     mlp.w_up = ColumnParallelLinear(mlp.w_up, group)
     mlp.w_down = RowParallelLinear(mlp.w_down, group)
-
-
-def is_tp_sharded(param: nn.Parameter) -> bool:
-    return getattr(param, "tp_split_dim", None) is not None

@@ -3,7 +3,6 @@ together as one object with one state_dict."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Any
 
 import torch
 
@@ -11,7 +10,6 @@ from model.config import ModelConfig
 from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.muon.optimizer import Muon, ns_shape
-from optim.muon.options import MuonOptions
 from optim.muon.ns_method import NSShape
 from optim.optimizer_set import OptimizerSet
 from optim.grad_ops import average_gradients, clip_gradients
@@ -63,7 +61,7 @@ def build_optimizer(
     there is data parallelism, else a plain local optimizer.
     `compile_updates`: Muon's elementwise work as compiled fused kernels (see Muon)."""
     if mesh.layout.dp_shard > 1:
-        return ShardedOptimizer(model, cfg, model_cfg, mesh)
+        return ShardedOptimizer(model, cfg, model_cfg, mesh, compile_updates)
     if mesh.dp > 1:
         return ZeroOptimizer(model, cfg, model_cfg, mesh, compile_updates)
     params = dict(model.named_parameters())
@@ -71,24 +69,12 @@ def build_optimizer(
     for route in route_parameters(model, cfg.name):
         by_target[route.optimizer][route.kind].append(params[route.name])
 
-    def groups(target: str) -> list[dict[str, Any]]:
-        out = []
-        for kind, plist in by_target[target].items():
-            group = {
-                "params": plist,
-                "kind": kind,
-                **cfg.group_settings(kind),
-            }
-            if target == "muon":
-                group["tp_group"] = mesh.tp_group
-                group["split_rows"] = muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim)
-            out.append(group)
-        return out
-
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if by_target["muon"]:
-        optimizers["muon"] = Muon(groups("muon"), lr=cfg.lr, options=MuonOptions.from_config(cfg, compile_updates))
+        groups = [{**g, "tp_group": mesh.tp_group} for g in cfg.param_groups(by_target["muon"], True, model_cfg.head_dim)]
+        optimizers["muon"] = Muon(groups, lr=cfg.lr, options=cfg.muon, cautious_wd=cfg.cautious_wd,
+                                  compile_updates=compile_updates)
     if by_target["adamw"]:
-        optimizers["adamw"] = build_adamw(groups("adamw"), cfg)
+        optimizers["adamw"] = build_adamw(cfg.param_groups(by_target["adamw"], False, model_cfg.head_dim), cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return MuonWithAdamW(optimizers, trainable, mesh)

@@ -8,51 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-
-@dataclass
-class MuonConfig:
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    # "classic": the quintic (3.4445, -4.7750, 2.0315) every step;
-    # "polar_express": per-step coefficients (Amsel et al., 2025).
-    coefficients: str = "classic"
-    # Newton-Schulz compute dtype: "bf16" (as in practice on GPUs), "fp32", or "auto": bf16 where
-    # the device has bf16 matrix hardware (CUDA compute capability 8.0+; CPUs with AMX bf16), else fp32.
-    ns_dtype: str = "auto"
-    # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), so Muon shares AdamW's lr and wd;
-    # "spectral": lr * sqrt(max(1, A / B)); "none": lr as is.
-    adjust_lr: str = "match_rms_adamw"
-    # Orthogonalise wq / wk / wv one attention head at a time instead of whole.
-    split_heads: bool = False
-    # How TP-sharded matrices reach Newton-Schulz whole: "gather" all-gathers the momentum
-    # shards and orthogonalises the full matrix on every TP rank; "gram" iterates on the
-    # shards and all-reduces the small Gram matrix each step (see optim/muon/newton_schulz.py).
-    tp_mode: str = "gather"
-    eps: float = 1e-7
-    # "standard", or "gram": Gram Newton-Schulz (iterates on the small Gram matrix, with a
-    # restart after the second step) for matrices whose aspect ratio makes it cheaper, above
-    # about 1.5; square ones stay standard. Under tp_mode=gram it also all-reduces the Gram
-    # matrix once per restart segment instead of every step. See optim/muon/newton_schulz.py.
-    # "auto": Gram or standard per matrix shape, whichever measured faster on this device at
-    # start-up (optim/muon/ns_choice.py); the choice is written into ns_by_shape.
-    ns_method: str = "standard"
-    # With ns_method=auto: {"ROWSxCOLS": "gram" or "standard"} per matrix shape Muon
-    # orthogonalises (TP shards iterated as shards under tp_mode=gram: "ROWSxCOLS_shard_rows"
-    # or "_shard_cols"). Start-up measures the shapes missing here, and the resolved config
-    # records them all; a resumed run keeps its checkpoint's. Empty otherwise.
-    ns_by_shape: Dict[str, str] = field(default_factory=dict)
-    # On CUDA, replay each stack's Newton-Schulz as a CUDA graph recorded at the second step
-    # (one launch instead of ~20 per stack; optim/muon/ns_graphs.py). Costs memory: each stack's
-    # buffer is kept between steps (the sum of all stacks, not the largest one at a time), and
-    # the graphs hold a memory pool for the iterations' scratch buffers (at least those of the
-    # largest stack). Both are released at the end of each job, in a sweep too.
-    cuda_graphs: bool = False
-    # NorMuon (arXiv 2510.05491): divide each row (column, for wide matrices) of the
-    # orthogonalised update by the root of its running mean square, then restore the update's
-    # norm. See optim/muon/normuon.py.
-    normuon: bool = False
-    normuon_beta2: float = 0.95
+from optim.muon.options import MuonOptions
 
 
 @dataclass
@@ -104,11 +60,25 @@ class OptimConfig:
     # transfer overlaps the Newton-Schulz of later buckets. 1: one all-gather after the whole
     # step. See lab/BENCHMARKS.md for the side-by-side measurement behind the default.
     gather_buckets: int = 1
-    muon: MuonConfig = field(default_factory=MuonConfig)
+    muon: MuonOptions = field(default_factory=MuonOptions)
     qk_clip: QKClipConfig = field(default_factory=QKClipConfig)
 
     def group_settings(self, kind: str) -> dict[str, float]:
         """What a parameter group of family `kind` takes from the config: its weight decay and
-        its lr multiplier (OptimizerSet.set_lr applies it). The one rule every builder uses."""
+        its lr multiplier (OptimizerSet.set_lr applies it)."""
         return {"weight_decay": self.weight_decay_overrides.get(kind, self.weight_decay),
                 "lr_scale": self.lr_overrides.get(kind, 1.0)}
+
+    def param_groups(self, by_kind: dict[str, list], muon: bool, head_dim: int) -> list[dict]:
+        """One param group per parameter family, for either optimizer: the builders' one rule
+        (optim/builder.py, optim/zero.py, optim/sharded.py add where their parameters live).
+        A Muon group also gets its head split (optim.muon.split_heads)."""
+        from optim.routing import muon_split_rows
+
+        groups = []
+        for kind, params in by_kind.items():
+            group = {"params": list(params), "kind": kind, **self.group_settings(kind)}
+            if muon:
+                group["split_rows"] = muon_split_rows(kind, self.muon.split_heads, head_dim)
+            groups.append(group)
+        return groups

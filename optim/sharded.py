@@ -22,8 +22,8 @@ from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.optimizer_set import OptimizerSet, OwnedPiece
-from optim.routing import muon_split_rows, route_parameters
-from optim.muon.options import MuonOptions
+from optim.routing import route_parameters
+from optim.muon.options import matrix_split
 from optim.muon.row_sharded import ShardedMuon
 from parallel.comm import all_reduce
 from parallel.fsdp import local_rows
@@ -33,7 +33,8 @@ from parallel.mesh import Mesh
 class ShardedOptimizer(OptimizerSet):
     """ShardedMuon + fused AdamW (optim=muon) or fused AdamW alone, on FSDP2's local shards."""
 
-    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, model_cfg: ModelConfig, mesh: Mesh,
+                 compile_updates: bool = False) -> None:
         self.mesh = mesh
         self.shard_group = mesh.device_mesh.get_group("dp_shard")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -58,32 +59,22 @@ class ShardedOptimizer(OptimizerSet):
         # Under EP the experts are sharded over the dp_shard ranks that hold the same ones.
         expert_shard = mesh.expert_mesh.get_group("expert_shard") if mesh.expert_mesh is not None else None
         if by_target["muon"]:
-            groups = []
-            for kind, names in by_target["muon"].items():
-                experts = any(getattr(params[n], "ep_split_dim", None) is not None for n in names)
-                groups.append({
-                    "params": [self.local[n] for n in names], "kind": kind,
-                    **({"shard_group": expert_shard} if experts else {}),
-                    "split_rows": muon_split_rows(kind, cfg.muon.split_heads, model_cfg.head_dim),
-                    "full_shapes": [params[n].shape for n in names],
-                    "tp_split_dims": [self._matrix_tp_split(params[n]) for n in names],
-                    **cfg.group_settings(kind),
-                })
-            optimizers["muon"] = ShardedMuon(groups, None, self.shard_group, lr=cfg.lr,
-                                             options=MuonOptions.from_config(cfg), tp_group=mesh.tp_group)
+            names = dict(by_target["muon"])
+            groups = cfg.param_groups({k: [self.local[n] for n in ns] for k, ns in names.items()}, True,
+                                      model_cfg.head_dim)
+            for group, kind_names in zip(groups, names.values()):
+                if any(getattr(params[n], "ep_split_dim", None) is not None for n in kind_names):
+                    group["shard_group"] = expert_shard  # the experts: over the ranks holding the same ones
+                group["full_shapes"] = [params[n].shape for n in kind_names]
+                group["tp_split_dims"] = [matrix_split(params[n]) for n in kind_names]
+            optimizers["muon"] = ShardedMuon(groups, None, self.shard_group, lr=cfg.lr, options=cfg.muon,
+                                             tp_group=mesh.tp_group, cautious_wd=cfg.cautious_wd,
+                                             compile_updates=compile_updates)
         if by_target["adamw"]:
-            optimizers["adamw"] = build_adamw(
-                [{"params": [self.local[n] for n in names], "kind": kind, **cfg.group_settings(kind)}
-                 for kind, names in by_target["adamw"].items()], cfg)
+            optimizers["adamw"] = build_adamw(cfg.param_groups(
+                {k: [self.local[n] for n in ns] for k, ns in by_target["adamw"].items()}, False, model_cfg.head_dim), cfg)
         super().__init__(optimizers)
         self.names = {id(t): n for n, t in self.local.items()}
-
-    @staticmethod
-    def _matrix_tp_split(p: torch.Tensor) -> int | None:
-        """The matrix dimension (0: rows, 1: columns) TP splits, of a matrix or of each expert of
-        a stack; None where TP leaves it whole."""
-        split = getattr(p, "tp_split_dim", None)
-        return None if split is None else split - (p.dim() - 2)
 
     def prepare_grads(self, max_norm: float) -> torch.Tensor:
         """FSDP2 has averaged the gradients; point the local tensors at their rows, and clip

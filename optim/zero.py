@@ -25,7 +25,7 @@ from optim.adamw import build_adamw
 from optim.config import OptimConfig
 from optim.grad_ops import sum_of_squares
 from optim.muon.optimizer import Muon, tp_gather_dim
-from optim.muon.options import MuonOptions, matrix_layout
+from optim.muon.options import full_matrix, matrix_layout
 from optim.optimizer_set import OptimizerSet, OwnedPiece, skip_if
 from optim.routing import muon_split_rows, route_parameters
 from optim.zero_plan import ParamSpec, Slice, ZeroPlan, build_plan
@@ -46,9 +46,8 @@ def newton_schulz_shapes(
     """
     k, rows, cols = matrix_layout(param.shape, split_rows)
     split = tp_gather_dim(param, {"tp_group": tp_group, "split_rows": split_rows})
-    if split is not None and tp_mode == "gather":
-        tp = group_size(tp_group)
-        rows, cols = (rows * tp, cols) if split == 0 else (rows, cols * tp)
+    if tp_mode == "gather":
+        rows, cols = full_matrix(rows, cols, split, group_size(tp_group))
     return ((rows, cols),) * k
 
 
@@ -202,16 +201,11 @@ class ZeroOptimizer(OptimizerSet):
                 domain.owned.append((piece, s))
 
         if muon_groups:
-            groups = []
-            for kind, plist in muon_groups.items():
-                group: dict[str, Any] = {"params": plist, "kind": kind, **cfg.group_settings(kind),
-                                         "split_rows": split_rows(kind), "tp_group": mesh.tp_group}
-                groups.append(group)
-            optimizers["muon"] = Muon(groups, lr=cfg.lr, options=MuonOptions.from_config(cfg, compile_updates))
+            groups = [{**g, "tp_group": mesh.tp_group} for g in cfg.param_groups(muon_groups, True, model_cfg.head_dim)]
+            optimizers["muon"] = Muon(groups, lr=cfg.lr, options=cfg.muon, cautious_wd=cfg.cautious_wd,
+                                      compile_updates=compile_updates)
         if adamw_groups:
-            groups = [{"params": plist, "kind": kind, **cfg.group_settings(kind)}
-                      for kind, plist in adamw_groups.items()]
-            optimizers["adamw"] = build_adamw(groups, cfg)
+            optimizers["adamw"] = build_adamw(cfg.param_groups(adamw_groups, False, model_cfg.head_dim), cfg)
         super().__init__(optimizers)
         self._owned = [entry for domain in self.domains for entry in domain.owned]
         # Which owned slices belong to TP-sharded parameters (their squares sum over TP).

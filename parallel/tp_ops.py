@@ -66,19 +66,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(grad, ctx.dim, ctx.group), None, None
 
 
-class _SplitToTP(torch.autograd.Function):
-    """Forward: keep this rank's slice along `dim`. Backward: all-gather the slices."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
 class _SumOver(torch.autograd.Function):
     """Forward: all-reduce (sum). Backward: all-reduce (sum) of the gradient. For a statistic
     summed over ranks that every rank then uses in the same loss: each rank's input receives
@@ -108,7 +95,3 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return _GatherFromTP.apply(x, dim, group) if group_size(group) > 1 else x
-
-
-def split_to_tp(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    return _SplitToTP.apply(x, dim, group) if group_size(group) > 1 else x

@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Optional
 
 import torch
-import yaml
 
 from model.config import CHECKPOINTING_MODES, ModelConfig
 from model.gpt import GPT
@@ -27,25 +25,6 @@ from parallel.mesh import Layout
 from parallel.tp_layers import padded_vocab
 
 NS_STEPS = 5
-REPO = Path(__file__).resolve().parents[1]
-# The vocabulary each large preset is documented with (its conf/model/*.yaml), else GPT-2's padded one.
-PRESET_VOCAB = {"gpt_1b": 128256, "gpt_8b": 128256, "moe_16b": 163840}
-DEFAULT_VOCAB = 50304
-
-
-def preset_names() -> list[str]:  # the model presets there are: conf/model/*.yaml
-    return sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
-
-
-def preset_config(name: str, vocab_size: int = 0) -> ModelConfig:
-    """conf/model/<name>.yaml as a ModelConfig, with `vocab_size` (0: PRESET_VOCAB's, else
-    DEFAULT_VOCAB); FileNotFoundError naming the known presets for an unknown name (a path too)."""
-    if name not in preset_names():
-        raise FileNotFoundError(f"model={name}: no such preset (known: {', '.join(preset_names())})")
-    text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
-    return replace(ModelConfig(**yaml.safe_load(text)), vocab_size=vocab_size or PRESET_VOCAB.get(name, DEFAULT_VOCAB))
-
-
 @dataclass
 class Local:
     """One parameter as a TP rank holds it."""

@@ -5,7 +5,7 @@ rank runs (our design's LPT plan is the real one, optim/zero_plan.py). Predicted
 hardware profile (conf/hardware/*.yaml): times, by the alpha-beta model of planning/collectives.py,
 a matmul rate and an HBM bandwidth. Each design's per-rank memory is planning/memory_plan.py's
 (planned_memory: the step's peak, under activation checkpointing and chunked loss as asked).
-scripts/bench/bench_comm.py prints the exact part at the layouts this machine runs;
+lab/tools/bench/bench_comm.py prints the exact part at the layouts this machine runs;
 scripts/plan/plan_scale.py prints all of it from 8 to 1,024 GPUs.
 
 Designs, per optimizer step and per rank:

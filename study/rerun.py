@@ -7,7 +7,7 @@ start with a copy of STUDY's tuning and retuning records, so its report counts w
 spent choosing, and its bootstrap redoes that choice (STUDY's tuning losses, perturbed by the
 seed noise measured here); only the final runs are new.
 
-`make compare-gpu` (scripts/gpu/reference_bf16.py) is this, in bf16 on one GPU.
+`make compare-gpu` (lab/tools/gpu/reference_bf16.py) is this, in bf16 on one GPU.
 """
 from __future__ import annotations
 

@@ -35,10 +35,10 @@ def run_overrides(study_train: list[str], side_overrides: list[str], fraction: f
     return runs
 
 
-def run_steps(plan: "Plan", space: Any, values: dict[str, float], budget: float) -> tuple[int, int]:
-    """(steps, tokens) of one run at `budget`: a trial that sets trainer.batch_size (a batch
-    dimension, opened on both sides) runs as many tokens as the base batch would, in more or
-    fewer steps."""
+def run_steps(plan: Any, space: Any, values: dict[str, float], budget: float) -> tuple[int, int]:
+    """(steps, tokens) of one run at `budget` (`plan`: a study.plan.Plan): a trial that sets
+    trainer.batch_size (a batch dimension, opened on both sides) runs as many tokens as the base
+    batch would, in more or fewer steps."""
     steps, tokens_per_step = plan.steps(budget), plan.tokens_per_step
     batch = next((values[d.name] for d in space.dims if "trainer.batch_size" in d.keys), None)
     if batch:

@@ -1,4 +1,4 @@
-"""scripts/bench/bench_train.py --tokens-per-step: the accumulation arithmetic, the refusal of a target
+"""lab/tools/bench/bench_train.py --tokens-per-step: the accumulation arithmetic, the refusal of a target
 that is not a whole number of micro-batches, both arms accumulating alike, and the table's
 tokens/step, ratio and Muon / AdamW columns at a toy size (no timing is asserted)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.bench.bench_train import grad_accum_for, parse_args
-from scripts.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
+from lab.tools.bench.bench_train import grad_accum_for, parse_args
+from lab.tools.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
 from tests.prestarted import run_python
 from tests.closeness import approx
 
@@ -57,7 +57,7 @@ def test_the_table_shows_each_target_with_its_ratios():
     """A toy run: every row carries its target tokens/step, ours its ratio to the reference at
     the same target, and the Muon / AdamW table one row per target."""
     out = run_python(
-        ["scripts/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
+        ["lab/tools/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager", "--precisions", "fp32",
          "--optims", "adamw", "muon", "--rounds", "1", "--warmup", "0", "--batch-size", "2", "--seq-len", "16",
          "--tokens-per-step", "32", "128", "--peak-size", "64", "--peak-repeats", "1", "--device", "cpu"],
         timeout=600, check=True,
@@ -92,43 +92,43 @@ def test_newton_schulz_flops_of_a_gpt_124m_muon_step():
     X X^T, A A and B X each: 17% of the model FLOPs of a 16 x 1024-token step, 0.5% at 0.5M."""
     from eval.flops import train_flops_per_token
     from model.gpt import GPT
-    from optim.config import MuonConfig
-    from scripts.bench.bench_comm import model_config
-    from scripts.bench.bench_common import newton_schulz_flops
+    from optim.muon.options import MuonOptions
+    from model.presets import preset_config
+    from planning.newton_schulz_cost import newton_schulz_flops
 
-    cfg = model_config("gpt_124m", vocab=8192)
+    cfg = preset_config("gpt_124m", vocab_size=8192)
     with torch.device("meta"):
         model = GPT(cfg)
     d, h = 768, 2048
     expected = 2 * 5 * (48 * 3 * d**3 + 36 * (2 * d * d * h + d**3))
-    flops = newton_schulz_flops(model, MuonConfig())
+    flops = newton_schulz_flops(model, MuonOptions())
     assert flops == expected
     per_token = train_flops_per_token(cfg, 1024)
     assert flops / (per_token * 16384) == approx(0.170, abs=0.001)
     assert flops / (per_token * 524288) == approx(0.0053, abs=0.0001)
-    assert newton_schulz_flops(model, MuonConfig(ns_method="gram")) < flops  # Gram on the 36 SwiGLU matrices
+    assert newton_schulz_flops(model, MuonOptions(ns_method="gram")) < flops  # Gram on the 36 SwiGLU matrices
 
 
 def test_newton_schulz_flops_count_what_muon_orthogonalises_under_split_heads_and_auto():
     """The shapes are Muon's own (optim.builder.muon_ns_shapes): under split_heads wq, wk and
     wv are 12 heads of 64 x 768 each, and ns_method=auto looks those head shapes up."""
     from model.gpt import GPT
-    from optim.config import MuonConfig
+    from optim.muon.options import MuonOptions
     from optim.muon.ns_method import gram_macs, standard_macs
-    from scripts.bench.bench_comm import model_config
-    from scripts.bench.bench_common import newton_schulz_flops
+    from model.presets import preset_config
+    from planning.newton_schulz_cost import newton_schulz_flops
 
     with torch.device("meta"):
-        model = GPT(model_config("gpt_124m", vocab=8192))
+        model = GPT(preset_config("gpt_124m", vocab_size=8192))
     d, h, heads = 768, 2048, 12 * 3 * 12  # 12 layers x (wq, wk, wv) x 12 heads
-    split = newton_schulz_flops(model, MuonConfig(split_heads=True))
+    split = newton_schulz_flops(model, MuonOptions(split_heads=True))
     assert split == 2 * 5 * (heads * (2 * 64 * 64 * d + 64**3) + 12 * 3 * d**3 + 36 * (2 * d * d * h + d**3))
     chosen = {"64x768": "gram", "768x768": "standard", "768x2048": "gram", "2048x768": "standard"}
-    auto = newton_schulz_flops(model, MuonConfig(split_heads=True, ns_method="auto", ns_by_shape=chosen))
+    auto = newton_schulz_flops(model, MuonOptions(split_heads=True, ns_method="auto", ns_by_shape=chosen))
     assert auto == 2 * (heads * gram_macs(64, d, 5) + 12 * standard_macs(d, d, 5)
                         + 12 * gram_macs(d, h, 5) + 24 * standard_macs(d, h, 5))
     with pytest.raises(ValueError, match="no choice for 64x768 matrices"):
-        newton_schulz_flops(model, MuonConfig(split_heads=True, ns_method="auto", ns_by_shape={"768x768": "gram"}))
+        newton_schulz_flops(model, MuonOptions(split_heads=True, ns_method="auto", ns_by_shape={"768x768": "gram"}))
 
 
 def test_batch_size_plan_leaves_the_batch_to_the_planner_and_refuses_an_accumulation(capsys):
@@ -144,10 +144,11 @@ def test_batch_size_plan_leaves_the_batch_to_the_planner_and_refuses_an_accumula
 def test_the_planner_picks_gpt_1b_s_micro_batch_for_one_gpu():
     """The largest batch whose planned peak fits the profile's memory for both optimizers (AdamW,
     with its two moments, is the larger): 15 sequences of 4096 on an H200, 8 on an H100."""
-    from planning.memory_plan import planned_memory, preset_config
+    from model.presets import preset_config
+    from planning.memory_plan import planned_memory
     from planning.scale_plan import Hardware
     from parallel.mesh import Layout
-    from scripts.bench.bench_common import hardware_for_device, planned_batch
+    from lab.tools.bench.bench_common import hardware_for_device, planned_batch
 
     cfg = preset_config("gpt_1b", 8192)  # the embedded corpus's vocabulary, what bench_train trains on
     assert hardware_for_device("NVIDIA H200") == "h200_sxm" and hardware_for_device("NVIDIA H100 80GB HBM3") == "h100_sxm"

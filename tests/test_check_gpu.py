@@ -1,4 +1,4 @@
-"""scripts/gpu/check_gpu.py (`make check-gpu`) without a GPU: its log readers on excerpts of the
+"""lab/tools/gpu/check_gpu.py (`make check-gpu`) without a GPU: its log readers on excerpts of the
 logs of our 2026-11-25 H200 run (../shared/gpu_runs/2026-11-25_h200/), and its orchestration
 with stand-in steps: every step runs after a failure or a timeout, the budget skips what no
 longer fits, and summary.md is there after every step."""
@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 
-from scripts.gpu import check_gpu
+from lab.tools.gpu import check_gpu
 
 
-from scripts.gpu import check_gpu_logs
+from lab.tools.gpu import check_gpu_logs
 
 
-from scripts.gpu import check_gpu_steps
-from scripts.gpu.check_gpu import Check, Result, Step
+from lab.tools.gpu import check_gpu_steps
+from lab.tools.gpu.check_gpu import Check, Result, Step
 from tests.closeness import approx
 
 # test_gpu.log, the end of `python3 -m pytest -m gpu -q -n 12 --tb=short -rfEs`.
@@ -105,7 +105,7 @@ def _result(tmp_path: Path, name: str, text: str, status: str = "ok", rc: int = 
 
 
 def test_summary_of_the_h200_logs(tmp_path):
-    check = Check(tmp_path, 530, "scripts/gpu/check_gpu.py")
+    check = Check(tmp_path, 530, "lab/tools/gpu/check_gpu.py")
     check.results = [
         _result(tmp_path, "machine", "python 3.12.3\ntorch 2.11.0+cu130\n"),
         _result(tmp_path, "test-gpu", PYTEST_LOG, "failed", 1),
@@ -294,7 +294,7 @@ def test_the_new_steps_readers():
 
 
 def test_summary_states_each_goal_against_the_new_steps_logs(tmp_path):
-    check = Check(tmp_path, 530, "scripts/gpu/check_gpu.py")
+    check = Check(tmp_path, 530, "lab/tools/gpu/check_gpu.py")
     check.results = [
         _result(tmp_path, "machine", "python 3.12.3\ntorchao 0.15.0\n"),
         _result(tmp_path, "compare-bf16", COMPARE_LOG),
@@ -328,7 +328,7 @@ def test_summary_states_each_goal_against_the_new_steps_logs(tmp_path):
 
 
 def test_goal_lines_say_why_a_figure_is_missing(tmp_path):
-    check = Check(tmp_path, 530, "scripts/gpu/check_gpu.py")
+    check = Check(tmp_path, 530, "lab/tools/gpu/check_gpu.py")
     check.results = [_result(tmp_path, "machine", "python 3.12.3\n"),
                      Result(Step("gpt_1b", "gpt_1b", ["true"], 1, 0), tmp_path / "gpt_1b.log", status="skipped",
                             note="100 s left of the 530 s budget, needs 120 s"),

@@ -17,7 +17,7 @@ from model.gpt import GPT
 from model.parallelize import parallelize_tp
 from parallel.fsdp import apply_fsdp
 from parallel.mesh import build_mesh
-from scripts.bench.bench_comm import model_config
+from model.presets import preset_config
 from tests.distributed import run_distributed
 from tests.closeness import check, check_relative
 
@@ -27,7 +27,7 @@ BATCH, SEQ = 2, 50  # 100 tokens: 3 chunks of 34, 33, 33
 
 def tiny_model(preset: str = "gpt_tiny", chunks: int = 1) -> GPT:
     torch.manual_seed(0)
-    return GPT(replace(model_config(preset, VOCAB), loss_chunks=chunks))
+    return GPT(replace(preset_config(preset, VOCAB), loss_chunks=chunks))
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +109,7 @@ def test_chunked_head_loss_function_equals_whole(chunks):
     """The function itself, 1 chunk included, and more chunks than tokens (empty slices); its
     gradients are held once, so a second backward is refused."""
     torch.manual_seed(0)
-    head = GPT(model_config("gpt_tiny", VOCAB)).head
+    head = GPT(preset_config("gpt_tiny", VOCAB)).head
     hidden = torch.randn(BATCH, SEQ, head.in_features, requires_grad=True)
     _, tgt = batch()
     expected = head.loss(head(hidden), tgt)

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from tests.conftest import REPO, compose, requires
 from tests.prestarted import run_python

@@ -11,7 +11,8 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from model.parallelize import parallelize_tp
 from optim.builder import build_optimizer
-from optim.config import MuonConfig, OptimConfig
+from optim.config import OptimConfig
+from optim.muon.options import MuonOptions
 from optim.zero_plan import ParamSpec, build_plan
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gathered
@@ -33,7 +34,7 @@ def optim_cfg(name: str, gather_buckets: int = 1, cautious_wd: bool = False, **m
     # linear regime, so the comparison checks the sharded data flow, not AdamW's conditioning:
     # a wrong m or v shard still moves elements by ~1e-2 of their update.
     return OptimConfig(name=name, lr=0.02, weight_decay=0.1, eps=1e-3, gather_buckets=gather_buckets,
-                       cautious_wd=cautious_wd, muon=MuonConfig(ns_dtype="fp32", **muon))
+                       cautious_wd=cautious_wd, muon=MuonOptions(ns_dtype="fp32", **muon))
 
 
 def batches(n_steps: int, global_batch: int):

@@ -173,7 +173,7 @@ def _one_rank_worker(rank: int, world: int) -> dict:
 
 
 def test_the_ep_path_on_a_group_of_one_computes_what_the_plain_path_does():
-    """What scripts/bench/bench_ep_dispatch.py times: the EP path on one rank (its all-to-alls are
+    """What lab/tools/bench/bench_ep_dispatch.py times: the EP path on one rank (its all-to-alls are
     copies) gives the plain layer's loss and gradients."""
     result = run_distributed(_one_rank_worker, 1)[0]
     (loss_off, grads_off), (loss_on, grads_on) = result["off"], result["on"]

@@ -143,10 +143,10 @@ def test_all_to_all_bytes_are_those_of_the_routed_tokens(tmp_path):
     metrics = {r["step"]: r for r in read_metrics(tmp_path)}
     dispatches = results[0]["dispatches"]
     from planning.scale_plan import ep_all_to_all_bytes
-    from scripts.bench.bench_comm import model_config
+    from model.presets import preset_config
 
     # The planner's per-rank average (planning/scale_plan.py): what all ranks send, over the ranks.
-    planned = ep_all_to_all_bytes(model_config("moe_tiny", 100), 2 * 32, tp=1, act_bytes=4)
+    planned = ep_all_to_all_bytes(preset_config("moe_tiny", 100), 2 * 32, tp=1, act_bytes=4)
     for step in range(0, 9):
         sent = sum(ep_bytes(d["rows"], d["received"], d["width"], d["width"], 4, d["bytes"])
                    for r in results for d in r["dispatches"] if d["step"] == step)

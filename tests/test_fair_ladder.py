@@ -7,7 +7,6 @@ import json
 import math
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 

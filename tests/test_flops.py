@@ -88,7 +88,7 @@ def test_peak_tflops_must_not_be_negative():
 
 
 def test_benchmarks_refuse_an_mfu_above_100_percent_and_size_the_gpu_peak_matmul():
-    from scripts.bench.bench_common import peak_size, percent_of_peak
+    from lab.tools.bench.bench_common import peak_size, percent_of_peak
 
     assert percent_of_peak(37.8, 100.0) == "37.8%"
     assert percent_of_peak(100.0, 100.0) == "100.0%"

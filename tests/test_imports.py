@@ -10,13 +10,17 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("parallel", "model", "optim", "trainer", "eval", "data", "planning", "study", "hydra_plugins", "scripts")
-# The package order, bottom first: a module may import its own package and those below it,
-# never one above. parallel and data share the bottom and import neither each other nor
+# Every package of the repository: the product's, in ORDER, and the lab's tooling and the tests
+# (TOOLING), which may import anything, each other included.
+PACKAGES = ("parallel", "model", "optim", "trainer", "eval", "data", "planning", "study", "hydra_plugins", "scripts",
+            "lab", "tests")
+# The product's package order, bottom first: a module may import its own package and those below
+# it, never one above. parallel and data share the bottom and import neither each other nor
 # anything else of ours; the fair study sits on the trainer, its Hydra sweeper on the study,
 # the commands on all of them; train.py is the top.
 ORDER = (("parallel", "data"), ("model",), ("optim",), ("eval",), ("planning",), ("trainer",), ("study",),
          ("hydra_plugins",), ("scripts",), ("train",))
+TOOLING = ("lab", "tests")
 
 
 def module_name(path: Path) -> str:
@@ -91,23 +95,50 @@ def test_the_parallel_package_imports_nothing_of_ours_outside_it():
 
 def tier(module: str) -> int:
     package = module.split(".")[0]
+    if package in TOOLING:
+        return len(ORDER)
     return next(i for i, packages in enumerate(ORDER) if package in packages)
 
 
 def against_the_order(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """The arrows from a package to one at its own level (another package) or above."""
+    """The arrows from a package to one at its own level (another package) or above; the
+    tooling (lab/, tests/) may import anything."""
     return sorted((m, d) for m, deps in graph.items() for d in deps
-                  if m.split(".")[0] != d.split(".")[0] and tier(d) >= tier(m))
+                  if m.split(".")[0] != d.split(".")[0] and m.split(".")[0] not in TOOLING and tier(d) >= tier(m))
 
 
 def test_no_package_imports_one_above_it():
     graph = import_graph()
-    assert {m.split(".")[0] for m in graph} == {p for packages in ORDER for p in packages}
+    assert {m.split(".")[0] for m in graph} == {p for packages in ORDER for p in packages} | set(TOOLING)
     assert against_the_order(graph) == []
     # It can fail: the arrow eval/compare -> trainer/run_env that made eval and trainer a cycle.
     assert against_the_order({"eval.compare": {"trainer.run.environment"}, "trainer.run.environment": set()}) == [
         ("eval.compare", "trainer.run.environment")]
     assert against_the_order({"data.x": {"parallel.y"}, "parallel.y": set()}) == [("data.x", "parallel.y")]
+
+
+def test_no_product_module_imports_the_lab_or_the_tests():
+    """Benchmarks and the GPU check are lab tooling (lab/tools/), and the test harness is the
+    tests': nothing the product ships reaches into either."""
+    graph = import_graph()
+    product = {m: deps for m, deps in graph.items() if m.split(".")[0] not in TOOLING}
+    assert len(product) > 100 and any(m.startswith("lab.tools.") for m in graph)
+    reaching = sorted((m, d) for m, deps in product.items() for d in deps if d.split(".")[0] in TOOLING)
+    assert reaching == []
+    # It can fail: the arrow a benchmark inside scripts/ once made.
+    assert against_the_order({"scripts.x": {"tests.distributed"}, "tests.distributed": set()}) == [
+        ("scripts.x", "tests.distributed")]
+    # The benchmarks have their own launcher (lab/tools/spawn.py), not the tests' process pool.
+    assert sorted((m, d) for m, deps in graph.items() if m.startswith("lab.")
+                  for d in deps if d.startswith("tests.")) == []
+
+
+def test_scripts_holds_only_commands_users_run():
+    """Every module under scripts/ is a command (it runs as __main__) or a helper of the
+    commands; none is a benchmark or a GPU check (lab/tools/)."""
+    names = {p.relative_to(REPO / "scripts").as_posix() for p in (REPO / "scripts").rglob("*.py")}
+    assert not any(n.startswith(("bench", "gpu/")) or "/bench" in n for n in names), sorted(names)
+    assert {"fair_compare.py", "compare_runs.py", "torchrun.py", "plan/estimate_memory.py"} <= names
 
 
 def test_optim_imports_no_trainer_module():

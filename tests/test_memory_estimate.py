@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from planning.memory_plan import Dtypes, activation_memory, planned_memory, preset_config
+from model.presets import preset_config
+from planning.memory_plan import Dtypes, activation_memory, planned_memory
 from parallel.mesh import Layout
 from tests.distributed import run_distributed
 from tests.prestarted import Started, start_python

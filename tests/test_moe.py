@@ -13,7 +13,8 @@ from model.gpt import GPT
 from model.moe import MoE, balance_experts, check_moe_config, moe_layers
 from model.parallelize import check_tp_divisibility, parallelize_tp
 from optim.builder import build_optimizer
-from optim.config import MuonConfig, OptimConfig
+from optim.config import OptimConfig
+from optim.muon.options import MuonOptions
 from optim.muon.optimizer import Muon
 from tests.distributed import run_distributed
 from tests.test_distributed_muon import parallel_tolerance, worst_relative_error
@@ -152,7 +153,7 @@ def _moe_parallel_worker(rank: int, world: int, tp: int) -> tuple[float, float]:
     # AdamW eps=1e-4 for the router, as in tests/test_distributed_muon.py: its gradients here
     # are ~1e-6, where eps=1e-8 turns fp32 summation-order differences between TP and
     # single-process into 1.3e-5 relative update differences; this tests the data flow.
-    cfg = OptimConfig(name="muon", lr=0.02, eps=1e-4, muon=MuonConfig(ns_dtype="fp32"))
+    cfg = OptimConfig(name="muon", lr=0.02, eps=1e-4, muon=MuonOptions(ns_dtype="fp32"))
     gen = torch.Generator().manual_seed(7)
     data = [torch.randint(0, 61, (4, 13), generator=gen) for _ in range(3)]
 

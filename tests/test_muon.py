@@ -375,9 +375,9 @@ def test_compiled_updates_equal_the_eager_ones(nesterov, ns_dtype, combo):
                                    rtol=1e-6, atol=1e-7)
     if combo:  # compiled with combo kernels (muon_fused.compiled's cache key says so)
         from optim.muon import fused as muon_fused
-        from optim.muon.options import update_step
+        from optim.muon.update import apply_update, momentum
 
-        assert (update_step, True) in muon_fused._COMPILED
+        assert (apply_update, True) in muon_fused._COMPILED and (momentum, True) in muon_fused._COMPILED
     bf16_out = [key for key in _CPU_BUFFERS.cache if key[0] == "muon.ortho"]
     assert bool(bf16_out) == (ns_dtype == "bf16") and all(key[3] == torch.bfloat16 for key in bf16_out)
 

@@ -13,11 +13,11 @@ from optim.muon.newton_schulz import (
     COEFFICIENTS,
     NORM_SAFETY,
     coefficients_for,
-    momentum_update,
     muon_scale,
     newton_schulz,
 )
 
+from optim.muon.update import MomentumSetting, momentum
 from tests.matmul_precision import true_fp32_matmuls  # noqa: F401 (a fixture, requested by name)
 from tests.closeness import approx, assert_close, check
 
@@ -240,11 +240,12 @@ def test_coefficient_tables():
 
 
 def test_unknown_coefficient_set_errors():
-    msg = "optim.muon.coefficients: unknown coefficient set 'x' (expected classic or polar_express)"
+    # The config's check is this one (optim/muon/options.py calls it): the same line at the CLI.
+    msg = "optim.muon.coefficients: unknown value 'x' (expected one of classic, polar_express)"
     with pytest.raises(ValueError) as info:
         coefficients_for("x", 5)
     assert str(info.value) == msg
-    with pytest.raises(ValueError, match="unknown coefficient set 'x'"):
+    with pytest.raises(ValueError, match="optim.muon.coefficients: unknown value 'x'"):
         newton_schulz(torch.randn(4, 4), coefficients="x")
     with pytest.raises(ValueError, match="optim.muon.ns_steps"):
         coefficients_for("classic", 0)
@@ -261,28 +262,37 @@ def test_muon_scale():
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_momentum_update(nesterov):
+def test_momentum(nesterov):
+    """optim/muon/update.py's momentum phase: the buffers and the Newton-Schulz inputs, written
+    into one stack in order, against the formula; and a gated step: keep == 1 rounds exactly as
+    no gate, keep == 0 (a NaN gradient) leaves every buffer as it was and no NaN in the stack."""
     g = torch.Generator().manual_seed(5)
     shapes = [(6, 5), (3, 7), (2, 4, 3)]
     bufs = [torch.randn(s, generator=g) for s in shapes]
     grads = [torch.randn(s, generator=g) for s in shapes]
     expected_bufs = [0.9 * b + gr for b, gr in zip(bufs, grads)]
     expected = [gr + 0.9 * b for b, gr in zip(expected_bufs, grads)] if nesterov else expected_bufs
+    setting = MomentumSetting(0.9, nesterov)
+    runs = {}
+    for keep in (None, torch.ones(())):
+        bufs_in = [b.clone() for b in bufs]
+        stack = torch.full((30 + 21 + 24,), float("nan"))
+        outs = momentum(bufs_in, grads, stack, setting, keep)
+        assert [o.shape for o in outs] == [torch.Size(s) for s in shapes]
+        assert [o.data_ptr() for o in outs] == [stack[:1].data_ptr() + 4 * k for k in (0, 30, 51)]
+        for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
+            assert_close(b, eb)
+            assert_close(o, e)
+        runs[keep is None] = (bufs_in, stack)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))
+    assert torch.equal(runs[True][1], runs[False][1])
     bufs_in = [b.clone() for b in bufs]
-    outs = [torch.empty(s) for s in shapes]
-    momentum_update(bufs_in, grads, outs, 0.9, nesterov)
-    for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
-        assert_close(b, eb)
-        assert_close(o, e)
-        assert o.data_ptr() != b.data_ptr()
-    # Into strided bf16 destinations (views into one stack, one of them transposed).
-    bufs_in = [b.clone() for b in bufs]
-    stack = torch.empty(30 + 21 + 24, dtype=torch.bfloat16)
-    outs = [stack[:30].view(5, 6).mT, stack[30:51].view(3, 7), stack[51:].view(2, 4, 3)]
-    momentum_update(bufs_in, grads, outs, 0.9, nesterov)
-    for b, o, eb, e in zip(bufs_in, outs, expected_bufs, expected):
-        assert_close(o.float(), e, rtol=1e-2, atol=1e-2)
-        assert_close(b, eb)
+    bad = [gr.clone() for gr in grads]
+    bad[1][0, 0] = float("nan")
+    stack = torch.empty(30 + 21 + 24)
+    momentum(bufs_in, bad, stack, setting, torch.zeros(()))
+    assert all(torch.equal(b, b0) for b, b0 in zip(bufs_in, bufs))
+    assert torch.isfinite(stack).all()
 
 
 # ---------------------------------------------------------------- CUDA graphs (optim/muon/ns_graphs.py)

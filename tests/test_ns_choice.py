@@ -15,7 +15,8 @@ import yaml
 
 from optim.muon import ns_choice
 from optim.builder import build_optimizer, muon_ns_shapes
-from optim.config import MuonConfig, OptimConfig
+from optim.config import OptimConfig
+from optim.muon.options import MuonOptions
 from optim.muon.optimizer import Muon, ns_shape
 from optim.muon.options import ns_by_shape_problem
 from optim.muon.newton_schulz import newton_schulz
@@ -54,7 +55,7 @@ def test_choose_takes_the_faster_method_per_shape_and_gram_only_on_a_clear_win()
 
 
 def muon_cfg(**muon) -> OptimConfig:
-    return OptimConfig(name="muon", muon=MuonConfig(ns_dtype="fp32", **muon))
+    return OptimConfig(name="muon", muon=MuonOptions(ns_dtype="fp32", **muon))
 
 
 COUNTS = {NSShape(24, 24): 4, NSShape(16, 48): 2, NSShape(48, 16): 2}

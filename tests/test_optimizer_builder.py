@@ -8,7 +8,8 @@ import torch
 from model.config import ModelConfig
 from model.gpt import GPT
 from optim.builder import build_optimizer
-from optim.config import MuonConfig, OptimConfig
+from optim.config import OptimConfig
+from optim.muon.options import MuonOptions
 from optim.routing import MUON_KINDS
 from tests.closeness import assert_close
 
@@ -41,7 +42,7 @@ def test_groups_route_matrices_to_muon_and_decay_every_family_by_default():
 
 def test_weight_decay_overrides_and_split_heads():
     cfg = OptimConfig(name="muon", weight_decay_overrides={"norm": 0.0, "attn_q": 0.05},
-                      muon=MuonConfig(split_heads=True))
+                      muon=MuonOptions(split_heads=True))
     opt = build_optimizer(model(), cfg, CFG)
     by_kind = {kind: g for g in opt.param_groups for kind in g["kind"].split("+")}
     assert by_kind["norm"]["weight_decay"] == 0.0
@@ -64,7 +65,7 @@ def test_norm_gammas_decay_toward_zero_with_zero_gradient():
 
 
 def test_state_dict_round_trip_resumes_identically():
-    cfg = OptimConfig(name="muon", muon=MuonConfig(ns_dtype="fp32"))
+    cfg = OptimConfig(name="muon", muon=MuonOptions(ns_dtype="fp32"))
     m = model()
     opt = build_optimizer(m, cfg, CFG)
     for s in range(3):

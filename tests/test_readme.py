@@ -258,7 +258,7 @@ def heading_anchors(page: Path) -> set[str]:
 
 
 def test_relative_links_to_headings_name_one_that_is_there():
-    """A heading renamed (a script moved into scripts/bench/, a section retitled) leaves links to
+    """A heading renamed (a script moved into lab/tools/bench/, a section retitled) leaves links to
     its old anchor pointing at the top of the page."""
     broken = []
     for page in PAGES:

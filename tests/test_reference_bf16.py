@@ -1,4 +1,4 @@
-"""scripts/gpu/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without a GPU:
+"""lab/tools/gpu/reference_bf16.py (`make compare-gpu`, check-gpu's compare-bf16 step) without a GPU:
 it reruns a fair study's tuned choice through `fair_compare.py --rerun` in bf16, on fresh seeds,
 the ladder's largest dense rung by default, and quotes the report's speedup table. (The rerun
 itself is tested in test_fair_compare.py, on a CPU.)"""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from scripts.gpu import reference_bf16
+from lab.tools.gpu import reference_bf16
 from tests.conftest import REPO
 
 SMOKE = REPO / "lab" / "results" / "fair_smoke"

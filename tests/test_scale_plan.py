@@ -11,7 +11,9 @@ from planning.collectives import Link, all_reduce_s, ring_all_gather_s, ring_all
 from planning.memory_plan import activation_bytes_per_token, planned_memory
 from planning.scale_plan import Hardware, design_rows, local_params, predict, tp_sizes
 from model.gpt import GPT
-from scripts.bench.bench_comm import measure, model_config
+from lab.tools.bench.bench_comm import measure
+from tests.distributed import run_distributed
+from model.presets import preset_config
 from tests.prestarted import run_python
 from tests.test_model import tiny
 from tests.closeness import approx
@@ -38,9 +40,9 @@ def test_all_reduce_takes_the_tree_when_latency_dominates():
 
 @pytest.mark.parametrize("dp, tp", [(2, 1), (4, 1), (2, 2)])
 def test_planned_bytes_and_newton_schulz_loads_equal_the_real_zero_optimizer(dp, tp):
-    cfg = model_config("gpt_tiny", 97)
+    cfg = preset_config("gpt_tiny", 97)
     row = design_rows(local_params(cfg, tp), dp, tp)["muon-ours"]
-    real = measure(cfg, dp, tp)  # one step of ZeroOptimizer on gloo, bytes counted by parallel/comm.py
+    real = measure(cfg, dp, tp, launch=run_distributed)  # one step of ZeroOptimizer on gloo, bytes counted by parallel/comm.py
     assert real["dp_bytes"] == row.dp_bytes
     assert real["tp_bytes"] == row.tp_bytes
     assert real["plan_costs"] == row.plan_costs
@@ -50,7 +52,7 @@ def test_planned_bytes_and_newton_schulz_loads_equal_the_real_zero_optimizer(dp,
 
 
 def test_newton_schulz_flops_count_five_quintic_steps_of_every_matrix():
-    cfg = model_config("gpt_tiny", 97)  # d_model 64, 4 heads (2 KV), ffn 192, 2 layers
+    cfg = preset_config("gpt_tiny", 97)  # d_model 64, 4 heads (2 KV), ffn 192, 2 layers
     rows = design_rows(local_params(cfg, 1), 1, 1)
     per_layer = (5 * (4 * 64**2 * 64 + 2 * 64**3) * 2  # wq, wo: 64 x 64
                  + 5 * (4 * 32**2 * 64 + 2 * 32**3) * 2  # wk, wv: 32 x 64
@@ -59,7 +61,7 @@ def test_newton_schulz_flops_count_five_quintic_steps_of_every_matrix():
 
 
 def test_more_owners_than_matrices_leaves_ranks_idle_and_the_largest_matrix_sets_the_pace():
-    cfg = model_config("gpt_tiny", 97)
+    cfg = preset_config("gpt_tiny", 97)
     params = local_params(cfg, 1)
     n_matrices = sum(p.muon for p in params)
     row = design_rows(params, 64, 1)["muon-ours"]
@@ -70,7 +72,7 @@ def test_more_owners_than_matrices_leaves_ranks_idle_and_the_largest_matrix_sets
 def test_each_design_holds_its_own_zero_buffers():
     """The ZeRO buffers a rank holds are its design's flat buffer: ours padded to whole-matrix
     segments, the even splits padded only to a multiple of dp."""
-    cfg = model_config("gpt_tiny", 97)
+    cfg = preset_config("gpt_tiny", 97)
     params = local_params(cfg, 1)
     total = sum(p.numel for p in params)
     dp = 64  # far more ranks than matrices: our segments pad to the largest matrix
@@ -118,14 +120,14 @@ def test_activation_formula_counts_what_autograd_saves(overrides):
 
 def test_tp_sizes_stay_in_a_node_and_divide_every_split_dimension():
     hw = Hardware.load("h100_sxm")
-    assert tp_sizes(model_config("gpt_8b", 128256), 1024, hw) == [1, 2, 4, 8]
-    assert tp_sizes(model_config("gpt_124m", 50304), 64, hw) == [1, 2, 4]  # 12 heads: not 8
-    assert tp_sizes(model_config("gpt_8b", 128256), 4, hw) == [1, 2, 4]
+    assert tp_sizes(preset_config("gpt_8b", 128256), 1024, hw) == [1, 2, 4, 8]
+    assert tp_sizes(preset_config("gpt_124m", 50304), 64, hw) == [1, 2, 4]  # 12 heads: not 8
+    assert tp_sizes(preset_config("gpt_8b", 128256), 4, hw) == [1, 2, 4]
 
 
 def test_a_job_inside_one_node_talks_over_nvlink_and_beyond_it_over_infiniband():
     hw = Hardware.load("h100_sxm")
-    cfg = model_config("gpt_124m", 50304)
+    cfg = preset_config("gpt_124m", 50304)
     one_node = predict(cfg, hw, 8, 1, 2**19, 1024, 1)["adamw-zero1"]
     two_nodes = predict(cfg, hw, 16, 1, 2**19, 1024, 1)["adamw-zero1"]
     flat = one_node.row.dp_bytes / 2
@@ -204,7 +206,8 @@ def test_checkpointing_and_loss_chunks_lower_the_planned_peak_by_what_they_drop(
     """gpt_1b on 8 GPUs (FSDP2): full checkpointing keeps one residual-sized input per block
     instead of each block's activations, and N loss chunks divide the loss's vocabulary-sized
     tensors by N; neither changes parameters, gradients or state."""
-    from planning.memory_plan import activation_memory, head_bytes_per_token, preset_config, Dtypes
+    from model.presets import preset_config
+    from planning.memory_plan import activation_memory, head_bytes_per_token, Dtypes
     from parallel.mesh import Layout
 
     cfg = preset_config("gpt_1b")
@@ -231,9 +234,9 @@ def test_ep_designs_hold_and_move_what_the_real_zero_optimizer_does_under_ep(opt
     counted step of ZeroOptimizer with EP on gloo."""
     from planning.scale_plan import predict_ep
 
-    cfg = model_config("moe_tiny", 97)
+    cfg = preset_config("moe_tiny", 97)
     dp, ep = 4, 2
-    real = measure(cfg, dp, 1, ep, optim)
+    real = measure(cfg, dp, 1, ep, optim, launch=run_distributed)
     step = predict_ep(cfg, Hardware.load("h100_sxm"), dp, 1, ep, tokens_per_step=dp * 64, seq_len=64,
                       micro_batch=1)[f"{optim}-ep"]
     assert real["dp_bytes"] == step.row.dp_bytes

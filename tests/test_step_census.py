@@ -11,8 +11,9 @@ from eval.step_census import census, count_events
 from model.config import ModelConfig
 from model.gpt import GPT
 from optim.builder import build_optimizer
-from optim.config import MuonConfig, OptimConfig
-from scripts.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
+from optim.config import OptimConfig
+from optim.muon.options import MuonOptions
+from lab.tools.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
 from tests.test_checkpoint import make_trainer
 
 CPU = torch.device("cpu")
@@ -78,7 +79,7 @@ def _optimizer_phase_ops(cfg: ModelConfig, name: str) -> float:
     flag, the step) for a model of this shape."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = build_optimizer(model, OptimConfig(name=name, muon=MuonConfig(ns_dtype="fp32")), cfg)
+    opt = build_optimizer(model, OptimConfig(name=name, muon=MuonOptions(ns_dtype="fp32")), cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 9))
     model(x[:, :-1], x[:, 1:]).backward()
 
@@ -109,7 +110,7 @@ def test_bench_train_census_prints_the_counts_per_row():
     from tests.prestarted import run_python
 
     out = run_python(
-        ["scripts/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
+        ["lab/tools/bench/bench_train.py", "--models", "gpt_tiny", "--modes", "eager",
          "--precisions", "fp32", "--optims", "adamw", "muon", "--census", "--rounds", "1", "--warmup", "1",
          "--batch-size", "2", "--seq-len", "32", "--peak-size", "128", "--peak-repeats", "1", "--device", "cpu"],
         timeout=600, check=True,

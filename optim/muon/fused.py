@@ -1,17 +1,16 @@
 """Muon's elementwise work compiled into fused kernels, for GPUs (optim.muon.compile_updates).
 
 Between the Newton-Schulz GEMMs, a Muon step streams every matrix through memory: momentum,
-the Nesterov input, weight decay, the update. As for-each ops (optim/muon/optimizer.py's eager path)
-that is about 17 passes over a matrix's fp32 size per step; compiled, one kernel reads the
-gradient and buffer and writes the buffer and the Newton-Schulz input (4 passes), and one
-reads the parameter and update and writes the parameter (3). On a 1B-parameter MoE those
-passes, not the matmuls, dominate the optimizer step.
+the Nesterov input, weight decay, the update. As for-each ops that is about 17 passes over a
+matrix's fp32 size per step; compiled, the momentum phase reads the gradient and buffer and
+writes the buffer and the Newton-Schulz input, and the update phase reads the parameter and
+update and writes the parameter. On a 1B-parameter MoE those passes, not the matmuls, dominate
+the optimizer step.
 
-The kernels take `keep` (0-d, 1.0 or 0.0: a step skipped on the device, see
-optim/muon/stack.py's StepGate) and are exact drop-ins for the eager path's arithmetic; the
-update's kernel is the rule itself (optim/muon/options.py's update_step), through compiled(). Each distinct
-list of shapes compiles once (a Muon stack, or a stack's share of a ZeRO bucket); the scalars
-that change every step (lr through `decay` and `alpha`) are tensors, so no step recompiles.
+`compiled` wraps the phases of optim/muon/update.py (the same functions that run eagerly), and
+this file's normalisation of Newton-Schulz's input. Each distinct list of shapes compiles once
+(a Muon stack, or a stack's share of a ZeRO bucket); the scalars that change every step (the
+lr, through the update's factors) are tensors, so no step recompiles.
 """
 from __future__ import annotations
 
@@ -25,20 +24,6 @@ from torch import Tensor
 # back to eager; past this limit the calls still run, eagerly (no fullgraph: that would be an
 # error instead).
 RECOMPILE_LIMIT = 64
-
-
-def momentum_step(
-    bufs: list[Tensor], grads: list[Tensor], outs: list[Tensor], momentum: float, nesterov: bool, keep: Tensor
-) -> None:
-    """buf <- momentum * buf + grad; out <- the Newton-Schulz input. keep == 0: the gradient
-    counts as zero and the buffer keeps its value (factor 1), so NaNs never reach it."""
-    kept = keep != 0
-    factor = torch.where(kept, momentum, 1.0)
-    for buf, grad, out in zip(bufs, grads, outs):
-        g = torch.where(kept, grad, 0.0)
-        new = buf * factor + g
-        buf.copy_(new)
-        out.copy_(g + momentum * new if nesterov else new)
 
 
 def normalise(G: Tensor, out: Tensor, safety: float, eps: float, keep: Tensor) -> None:
@@ -59,7 +44,7 @@ def compiled(fn: Callable, combo: bool = False) -> Callable:
     combo kernels, which launch several of the per-tensor kernels of a for-each loop as one (on
     a GPU; the CPU's C++ kernels are not combined). Its aim: the launch gaps between the many
     small kernels of a compiled Muon step, one pair per matrix. Off by default
-    until a GPU run measures it (scripts/bench/bench_optimizer.py's combo variant)."""
+    until a GPU run measures it (lab/tools/bench/bench_optimizer.py's combo variant)."""
     key = (fn, combo)
     if key not in _COMPILED:
         config = torch._dynamo.config

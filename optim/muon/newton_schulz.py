@@ -1,7 +1,12 @@
-"""Pure building blocks of Muon: momentum, Newton-Schulz orthogonalisation, update scale.
+"""Phase 2 of Muon's step (optim/muon/update.py): Newton-Schulz orthogonalisation of a stack
+of matrices, and the lr scale of an orthogonalised update.
 
-Everything here is a stateless function of tensors, so a distributed Muon can reuse it on
-whatever shard of matrices a rank owns. All functions are device-agnostic.
+`newton_schulz` is the one entry every engine calls, for whatever batch of whole matrices a rank
+owns. Behind it: the normalisation, the standard or Gram iteration (picked per call,
+ns_method.py), CPU runs cut to the cache (buffers.py), workspaces kept between steps
+(buffers.py), a compiled normalisation (fused.py) and, on CUDA, the iteration replayed as a
+recorded graph (ns_graphs.py): those hold state between calls (kept buffers, graphs, compiled
+kernels), released at the end of each job (buffers.release_buffers).
 
 Newton-Schulz (quintic) approximates the polar factor U V^T of G = U S V^T:
 
@@ -61,15 +66,17 @@ COEFFICIENTS: dict[str, list[Coefficient]] = {
 NORM_SAFETY: dict[str, float] = {"classic": 1.0, "polar_express": 1.02}
 
 ADJUST_LR_MODES = ("match_rms_adamw", "spectral", "none")
+
+
 def coefficients_for(name: str, steps: int) -> list[Coefficient]:
     """The (a, b, c) of each of `steps` iterations; past the end of a list its last entry repeats."""
     if name not in COEFFICIENTS:
-        raise ValueError(
-            f"optim.muon.coefficients: unknown coefficient set {name!r} "
-            f"(expected classic or polar_express)"
-        )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"optim.muon.coefficients: unknown value {name!r} "
+                         f"(expected one of {', '.join(COEFFICIENTS)})")
+    if isinstance(steps, bool) or not isinstance(steps, int):
         raise ValueError(f"optim.muon.ns_steps must be an int >= 1, got {steps!r}")
+    if steps < 1:
+        raise ValueError(f"optim.muon.ns_steps must be >= 1, got {steps}")
     table = COEFFICIENTS[name]
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
@@ -88,33 +95,8 @@ def muon_scale(rows: int, cols: int, adjust_lr: str) -> float:
         return math.sqrt(max(1.0, rows / cols))
     if adjust_lr == "none":
         return 1.0
-    raise ValueError(
-        f"optim.muon.adjust_lr: unknown mode {adjust_lr!r} "
-        f"(expected one of {', '.join(ADJUST_LR_MODES)})"
-    )
-
-
-def momentum_update(
-    bufs: Sequence[Tensor], grads: Sequence[Tensor], outs: Sequence[Tensor], momentum: float, nesterov: bool
-) -> None:
-    """For every (buf, grad, out): buf <- momentum * buf + grad in place, and out <- the
-    Newton-Schulz input (grad + momentum * buf with the updated buf for Nesterov, else buf),
-    cast to out's dtype. `out` may be any tensor of grad's shape, a view into a stack
-    included; it never aliases buf.
-
-    A handful of foreach ops for the whole list: on a GPU each is one multi-tensor kernel,
-    so the launches do not grow with the number of matrices.
-    """
-    bufs, grads, outs = list(bufs), list(grads), list(outs)
-    if not bufs:
-        return
-    torch._foreach_mul_(bufs, momentum)
-    torch._foreach_add_(bufs, grads)
-    if nesterov:
-        torch._foreach_copy_(outs, grads)
-        torch._foreach_add_(outs, bufs, alpha=momentum)
-    else:
-        torch._foreach_copy_(outs, bufs)
+    raise ValueError(f"optim.muon.adjust_lr: unknown value {adjust_lr!r} "
+                     f"(expected one of {', '.join(ADJUST_LR_MODES)})")
 
 
 def newton_schulz(

@@ -6,9 +6,11 @@ Per matrix W with gradient G (Keller Jordan 2024; Liu et al. 2025 for the AdamW-
     O = NS(G + momentum * M)          (NS(M) without Nesterov)
     W = W * (1 - lr * weight_decay) - lr * scale(rows, cols) * O
 
-The last line is the one rule every engine applies (optim/muon/options.py's decay_and_update,
-with its sign-gated decay option). With `normuon`, O is normalised per row (or column) by a running second moment before the
-update (optim/muon/normuon.py). With ns_method="gram", Newton-Schulz runs as Gram Newton-Schulz
+The three lines are the step's phases: momentum and the update are written once in
+optim/muon/update.py (the update with its sign-gated decay option), Newton-Schulz in
+optim/muon/newton_schulz.py; this file stacks the matrices for them. With `normuon`, O is
+normalised per row (or column) by a running second moment before the update
+(optim/muon/normuon.py). With ns_method="gram", Newton-Schulz runs as Gram Newton-Schulz
 where the matrix's aspect ratio makes it cheaper (optim/muon/newton_schulz.py); with "auto", where
 `ns_by_shape` says so for the matrix's shape (measured on the device, optim/muon/ns_choice.py).
 
@@ -33,12 +35,105 @@ from torch import Tensor
 
 from parallel.comm import all_gather_into, group_rank, group_size
 from optim.muon.buffers import batch_chunk, reusable_buffer
-from optim.muon.newton_schulz import newton_schulz
-from optim.muon.options import MuonOptions, check_group, matrix_layout, ns_by_shape_problem
+from optim.muon.newton_schulz import muon_scale, newton_schulz
+from optim.muon.options import (MuonOptions, check_group, full_matrix, matrix_layout, matrix_split,
+                                ns_by_shape_problem)
 from optim.muon.ns_method import NSShape, iteration_for
 from optim.muon import normuon
-from optim.muon.stack import StackItem, StackWork, StepGate
+from optim.muon.update import MomentumSetting, apply_update, gate_for, momentum, phase, update_factors
 from optim.muon.newton_schulz_tp import newton_schulz_sharded
+
+
+# ----------------------------------------------------------------------------- stacks
+#
+# Muon orthogonalises every same-shaped matrix of a step together, as one [N, rows, cols] stack.
+# Around that batched Newton-Schulz, StackWork runs the two elementwise phases of
+# optim/muon/update.py on the stack's items: the momentum into their parts of the stack, and the
+# update from their parts of the result, each eagerly or compiled, with the step's on-device gate.
+
+
+@dataclass
+class StackItem:
+    """One parameter's contribution to a stack: matrices [offset, offset + k) of the stack."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    group: dict[str, Any]
+    k: int
+    rows: int
+    cols: int
+    normuon_v: Tensor | None = None  # NorMuon's second moment [k, rows, 1] or [k, 1, cols]
+
+
+@dataclass(frozen=True)
+class StepGate:
+    """An on-device skip of the whole step, from `found_inf` (a 0-d float tensor, 1.0 when the
+    gradients are not finite), the attribute torch's optimizers read for the same purpose.
+    Nothing is read back to the host: a skipped step zeroes the gradients' copy before they
+    reach the momentum, keeps the momentum (factor 1) and gates the update and weight decay."""
+
+    skip: Tensor  # bool
+    keep: Tensor  # 1.0, or 0.0 to skip
+
+    @staticmethod
+    def of(found_inf: Tensor) -> "StepGate":
+        skip = found_inf != 0
+        return StepGate(skip, (~skip).to(torch.float32))
+
+
+def stack_views(items: list[StackItem], stack: Tensor) -> list[Tensor]:
+    """Each item's matrices [offset, offset + k) of `stack` [N, rows, cols], in its
+    parameter's shape (a view wherever the stack's strides allow it)."""
+    views, offset = [], 0
+    for it in items:
+        views.append(stack[offset : offset + it.k].reshape(it.param.shape))
+        offset += it.k
+    return views
+
+
+class StackWork:
+    """The step's elementwise phases on a stack's items: momentum into the Newton-Schulz stack,
+    and the weight decay and update after it (optim/muon/update.py), eagerly or, with
+    `compiled`, as torch.compile'd kernels (`combo`: inductor's combo kernels); `cautious`:
+    cautious weight decay; `graphs`: the stacks' Newton-Schulz replayed as CUDA graphs."""
+
+    def __init__(self, gate: StepGate | None, compiled: bool = False, combo: bool = False, cautious: bool = False,
+                 graphs: bool = False) -> None:
+        self.gate = gate
+        self.compiled, self.combo, self.cautious, self.graphs = compiled, combo, cautious, graphs
+
+    @property
+    def keep(self) -> Tensor | None:
+        """What Newton-Schulz gates its result with (None: no gate)."""
+        return None if self.gate is None else self.gate.keep
+
+    def momentum_into(self, items: list[StackItem], stack: Tensor) -> None:
+        """Every item's momentum step, its Newton-Schulz input written into its part of `stack`
+        (a stack's items share one momentum setting: optim/muon/optimizer.py stacks by it)."""
+        setting = MomentumSetting.of(items[0].group)
+        assert all(MomentumSetting.of(it.group) == setting for it in items), "one momentum setting a stack"
+        step = phase(momentum, self.compiled, self.combo)
+        step([it.buf for it in items], [it.grad for it in items], stack, setting,
+             gate_for(self.keep, self.compiled, stack.device))
+
+    def apply_updates(self, items: list[StackItem], ortho: Tensor, rows: int, cols: int) -> None:
+        """The update on every item, with its matrices of `ortho` (scaled for the rows x cols
+        matrix that was orthogonalised). A skipped step's matrices are zero already; the gate
+        keeps the decay off too."""
+        updates = stack_views(items, ortho)
+        step = phase(apply_update, self.compiled, self.combo)
+        # By param group, not by the values: the lists (and so the compiled variants) stay
+        # the same from step to step whatever the schedule does to lr.
+        by_group: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            by_group.setdefault(id(it.group), []).append(i)
+        for idx in by_group.values():
+            group = items[idx[0]].group
+            decay, alpha = update_factors(group["lr"], group["weight_decay"], muon_scale(rows, cols, group["adjust_lr"]),
+                                          self.keep, items[idx[0]].param)
+            step([items[i].param for i in idx], [updates[i] for i in idx], decay, alpha, self.cautious)
+
 
 def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
     """The matrix dimension (0: rows, 1: cols) along which this parameter is a TP shard that
@@ -47,10 +142,9 @@ def tp_gather_dim(param: Tensor, group: dict[str, Any]) -> int | None:
     Per-head matrices of a row-split (column-parallel) projection are complete on each
     rank, since TP splits the rows by whole heads.
     """
-    dim = getattr(param, "tp_split_dim", None)
-    if dim is None or group_size(group.get("tp_group")) == 1:
+    split = matrix_split(param)
+    if split is None or group_size(group.get("tp_group")) == 1:
         return None
-    split = dim - (param.ndim - 2)  # 3-D expert stacks: dims 1, 2 are the matrix rows, cols
     if split == 0 and group["split_rows"] is not None:
         return None
     return split
@@ -67,12 +161,9 @@ def _ns_view(rows: int, cols: int, split: int | None, group: dict[str, Any]) -> 
     """The shape Newton-Schulz sees of a local rows x cols matrix that is a TP shard split
     along `split` (None: whole): the gathered matrix under tp_mode=gather, the shard itself
     under tp_mode=gram."""
-    if split is None:
-        return NSShape(rows, cols)
-    if group["tp_mode"] == "gram":
+    if split is not None and group["tp_mode"] == "gram":
         return NSShape(rows, cols, split)
-    tp = group_size(group["tp_group"])
-    return NSShape(rows * tp, cols) if split == 0 else NSShape(rows, cols * tp)
+    return NSShape(*full_matrix(rows, cols, split, group_size(group["tp_group"])))
 
 
 class Muon(torch.optim.Optimizer):
@@ -85,6 +176,9 @@ class Muon(torch.optim.Optimizer):
         weight_decay: decoupled weight decay.
         options: everything else (optim/muon/options.py's MuonOptions, what each option means);
             `overrides` replace some of its fields (Muon(params, ns_dtype="fp32")).
+        cautious_wd: cautious weight decay (optim.cautious_wd, shared with AdamW).
+        compile_updates: the step's elementwise phases compiled into fused kernels (for GPUs:
+            trainer.compile there).
 
     Like torch's fused optimizers, `step` honours a `found_inf` attribute (a 0-d float tensor
     on the parameters' device; OptimizerSet.step sets it): where it is 1 the step leaves
@@ -97,9 +191,12 @@ class Muon(torch.optim.Optimizer):
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         options: MuonOptions | None = None,
+        cautious_wd: bool = False,
+        compile_updates: bool = False,
         **overrides: Any,
     ) -> None:
         self.options = (options or MuonOptions()).with_overrides(overrides)
+        self.cautious_wd, self.compile_updates = cautious_wd, compile_updates
         defaults = dict(lr=lr, weight_decay=weight_decay, **self.options.group_defaults())
         # Fail on the defaults themselves even when every group overrides them.
         check_group({**defaults, "params": []})
@@ -171,17 +268,18 @@ class Muon(torch.optim.Optimizer):
                 if ns is None:
                     ns = settings[rows, cols, split] = _NS.of(group, _ns_view(rows, cols, split, group))
                 if split is not None:
-                    key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, ns, beta2)
+                    key = (rows, cols, split, id(group["tp_group"]), group["tp_mode"], p.dtype, p.device, ns, beta2,
+                           MomentumSetting.of(group))
                     tp_stacks.setdefault(key, []).append(item)
                     continue
-                key = (rows, cols, p.dtype, p.device, ns, beta2)
+                key = (rows, cols, p.dtype, p.device, ns, beta2, MomentumSetting.of(group))
                 stacks.setdefault(key, []).append(item)
 
         gate = None if getattr(self, "found_inf", None) is None else StepGate.of(self.found_inf)
-        work = StackWork(gate, self.options)
-        for (rows, cols, dtype, device, ns, beta2), items in stacks.items():
+        work = StackWork(gate, self.compile_updates, self.options.combo_kernels, self.cautious_wd, self.options.cuda_graphs)
+        for (rows, cols, dtype, device, ns, beta2, _), items in stacks.items():
             _step_stack(items, rows, cols, dtype, device, ns, beta2, work)
-        for (rows, cols, split, _, _, dtype, device, ns, beta2), items in tp_stacks.items():
+        for (rows, cols, split, _, _, dtype, device, ns, beta2, _), items in tp_stacks.items():
             _step_tp_stack(items, split, ns, beta2, work)
         return loss
 
@@ -194,8 +292,7 @@ class Muon(torch.optim.Optimizer):
 
     def _normuon_shape(self, p: Tensor, group: dict[str, Any]) -> tuple[int, int, int]:
         k, rows, cols = matrix_layout(p.shape, group["split_rows"])
-        split, tp = tp_gather_dim(p, group), group_size(group.get("tp_group"))
-        full_rows, full_cols = rows * (tp if split == 0 else 1), cols * (tp if split == 1 else 1)
+        full_rows, full_cols = full_matrix(rows, cols, tp_gather_dim(p, group), group_size(group.get("tp_group")))
         return normuon.state_shape(k, rows, cols, full_rows, full_cols)
 
     def export_state(self, p: Tensor, state: dict[str, Any]) -> dict[str, Tensor]:
@@ -263,7 +360,7 @@ def _step_tp_stack(items: list[StackItem], split: int, ns: _NS, beta2: float | N
     work.momentum_into(items, inputs)
     keep = work.keep
     tp = group_size(group)
-    rows_full, cols_full = (first.rows * tp, first.cols) if split == 0 else (first.rows, first.cols * tp)
+    rows_full, cols_full = full_matrix(first.rows, first.cols, split, tp)
     if first.group["tp_mode"] == "gram":
         own = newton_schulz_sharded(inputs, split, group, ns.steps, ns.coefficients, ns.dtype, ns.eps, keep=keep,
                                     iteration=ns.iteration)
@@ -310,7 +407,7 @@ def _step_run(
     # the eager update adds a same-dtype tensor (a bf16 one would be converted in a temporary).
     # With CUDA graphs the stack stays at one address from step to step, so that its
     # recorded Newton-Schulz (which reads and writes it in place) can be replayed.
-    compiled, graphs = work.options.compile_updates, work.options.cuda_graphs
+    compiled, graphs = work.compiled, work.graphs
     stack = reusable_buffer("muon.stack", total, rows, cols, dtype, device, persistent=graphs)
     work.momentum_into(items, stack)
     # The fused update of compile_updates reads a bf16 O in the same kernel as an fp32 one, so

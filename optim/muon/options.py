@@ -1,35 +1,25 @@
-"""Muon's options, and the one rule by which a step changes a weight.
+"""Muon's options: the one class that is both the config schema (optim.muon.*, through
+optim/config.py's OptimConfig) and what every engine is given, and the one place each is checked.
 
-MuonOptions is built once from the config (MuonOptions.from_config) and handed whole to every
-engine: Muon (one process, and each ZeRO-1 owner), ShardedMuon (FSDP2's row shards). It is
-checked here and nowhere else, in one line naming the config key: trainer/config.py calls
-check_config_options on the run's config, the engines check the options they are given and
-every param group's values (check_group). A new option is a field here, a key in
-optim/config.py and the code that reads it.
-
-The rule, for a weight W, its orthogonalised update O and a scale s for the matrix's shape:
-
-    W = W * (1 - lr * weight_decay) - lr * s * O
-
-decoupled weight decay with the group's lr as given. With `cautious_wd` the decay acts only
-where O and W have the same sign, where the update already moves the weight towards zero
-(Cautious Weight Decay, arXiv 2510.12402): W = W - lr * weight_decay * W * [O * W > 0].
-decay_and_update applies it to a list of weights, eagerly or as a compiled kernel; every
-engine calls it, and differs from the others only in how whole matrices reach their owner.
+The fields marked GROUP are what each param group holds (and a checkpoint saves); the others
+say how a process computes (split_heads is read by the builders, cuda_graphs and combo_kernels
+by the engines). check_group_options checks the values, in one line naming the config key:
+trainer/config.py calls check_config_options on the run's config, and the engines check every
+param group (check_group). A new option is a field here (and its check, below), read where it
+acts: optim/muon/update.py for the step's arithmetic.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from optim.fast_dtype import resolve_precision
-from optim.muon import fused
-from optim.muon.newton_schulz import ADJUST_LR_MODES, COEFFICIENTS
+from optim.muon.newton_schulz import coefficients_for, muon_scale
 from optim.muon.ns_method import NS_METHODS, NSShape
 
 NS_DTYPES: dict[str, torch.dtype] = {
@@ -41,69 +31,63 @@ NS_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 TP_MODES = ("gather", "gram")
+GROUP = {"group": True}  # a field a param group holds
 
 
-@dataclass(frozen=True)
+@dataclass
 class MuonOptions:
     """Everything about Muon but the lr and weight decay (which a schedule and the parameter
-    families set per group). The first block is what each param group holds and a checkpoint
-    saves; the second says how this process computes, not what the optimizer is.
+    families set per group); the schema of optim.muon.* (conf/optim/muon.yaml)."""
 
-    momentum, nesterov: M = momentum * M + G; the Newton-Schulz input G + momentum * M if
-        nesterov else M.
-    ns_steps, coefficients: Newton-Schulz iterations; "classic" or "polar_express".
-    ns_dtype: Newton-Schulz compute dtype: torch.bfloat16 / torch.float32, "bf16" / "fp32", or
-        "auto" (bf16 where the parameters' device runs it really faster than fp32).
-    adjust_lr: "match_rms_adamw" (0.2 sqrt(max(A, B))), "spectral" (sqrt(max(1, A/B))) or
-        "none", for the A x B matrix actually orthogonalised.
-    eps: added to the Frobenius norm before normalising.
-    tp_mode: "gather" or "gram", how TP-sharded matrices are orthogonalised.
-    ns_method, ns_by_shape: "standard", "gram" (Gram Newton-Schulz where it costs fewer
-        multiply-adds) or "auto" (Gram for the shapes ns_by_shape, {NSShape key ("768x2048"):
-        "gram" or "standard"}, maps to "gram"; optim/muon/ns_choice.py measures it).
-    normuon, normuon_beta2: NorMuon's per-row second moment (optim/muon/normuon.py).
-    cautious_wd: decay only the coordinates where the update and the weight agree in sign.
-    compile_updates: the elementwise work (momentum, weight decay, update) as torch.compile'd
-        fused kernels (optim/muon/fused.py): fewer memory passes, for GPUs.
-    cuda_graphs: on CUDA, replay each stack's Newton-Schulz as a recorded CUDA graph (one launch
-        instead of dozens, optim/muon/ns_graphs.py). It costs memory: each stack's buffer is kept
-        between steps, and the graphs hold one memory pool for the iterations' scratch buffers.
-        Both are released at the end of each job (buffers.release_buffers).
-    combo_kernels: with compile_updates, those kernels launched as inductor combo kernels
-        (several per launch); off until measured on a GPU (fused.compiled).
-    """
-
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    coefficients: str = "classic"
-    ns_dtype: Any = torch.bfloat16  # a torch dtype, one of NS_DTYPES' names, or "auto"
-    adjust_lr: str = "match_rms_adamw"
-    eps: float = 1e-7
-    tp_mode: str = "gather"
-    ns_method: str = "standard"
-    ns_by_shape: Optional[Mapping[str, str]] = None
-    normuon: bool = False
-    normuon_beta2: float = 0.95
-
-    cautious_wd: bool = False  # not a group option: a run resumed with it switched keeps its checkpoint
-    compile_updates: bool = False
+    # M = momentum * M + G; the Newton-Schulz input G + momentum * M if nesterov else M.
+    momentum: float = field(default=0.95, metadata=GROUP)
+    nesterov: bool = field(default=True, metadata=GROUP)
+    # Newton-Schulz iterations, and their coefficients: "classic", the quintic (3.4445, -4.7750,
+    # 2.0315) every step; "polar_express", per-step coefficients (Amsel et al., 2025).
+    ns_steps: int = field(default=5, metadata=GROUP)
+    coefficients: str = field(default="classic", metadata=GROUP)
+    # Newton-Schulz compute dtype: "bf16" (as in practice on GPUs), "fp32", or "auto": bf16 where
+    # the device has bf16 matrix hardware (CUDA compute capability 8.0+; CPUs with AMX bf16), else
+    # fp32. An engine also takes a torch dtype.
+    ns_dtype: Any = field(default="auto", metadata=GROUP)
+    # "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)), so Muon shares AdamW's lr and wd;
+    # "spectral": lr * sqrt(max(1, A / B)); "none": lr as is.
+    adjust_lr: str = field(default="match_rms_adamw", metadata=GROUP)
+    # Orthogonalise wq / wk / wv one attention head at a time instead of whole (the builders give
+    # those groups split_rows = the head size).
+    split_heads: bool = False
+    # How TP-sharded matrices reach Newton-Schulz whole: "gather" all-gathers the momentum
+    # shards and orthogonalises the full matrix on every TP rank; "gram" iterates on the
+    # shards and all-reduces the small Gram matrix each step (optim/muon/newton_schulz_tp.py).
+    tp_mode: str = field(default="gather", metadata=GROUP)
+    # Added to the Frobenius norm before normalising.
+    eps: float = field(default=1e-7, metadata=GROUP)
+    # "standard", or "gram": Gram Newton-Schulz (iterates on the small Gram matrix, with a
+    # restart after the second step) for matrices whose aspect ratio makes it cheaper, above
+    # about 1.5; square ones stay standard. Under tp_mode=gram it also all-reduces the Gram
+    # matrix once per restart segment instead of every step. See optim/muon/newton_schulz.py.
+    # "auto": Gram or standard per matrix shape, whichever measured faster on this device at
+    # start-up (optim/muon/ns_choice.py); the choice is written into ns_by_shape.
+    ns_method: str = field(default="standard", metadata=GROUP)
+    # With ns_method=auto: {"ROWSxCOLS": "gram" or "standard"} per matrix shape Muon
+    # orthogonalises (TP shards iterated as shards under tp_mode=gram: "ROWSxCOLS_shard_rows"
+    # or "_shard_cols"). Start-up measures the shapes missing here, and the resolved config
+    # records them all; a resumed run keeps its checkpoint's. Empty otherwise.
+    ns_by_shape: Dict[str, str] = field(default_factory=dict, metadata=GROUP)
+    # On CUDA, replay each stack's Newton-Schulz as a CUDA graph recorded at the second step
+    # (one launch instead of ~20 per stack; optim/muon/ns_graphs.py). Costs memory: each stack's
+    # buffer is kept between steps (the sum of all stacks, not the largest one at a time), and
+    # the graphs hold a memory pool for the iterations' scratch buffers (at least those of the
+    # largest stack). Both are released at the end of each job, in a sweep too.
     cuda_graphs: bool = False
+    # NorMuon (arXiv 2510.05491): divide each row (column, for wide matrices) of the
+    # orthogonalised update by the root of its running mean square, then restore the update's
+    # norm. See optim/muon/normuon.py.
+    normuon: bool = field(default=False, metadata=GROUP)
+    normuon_beta2: float = field(default=0.95, metadata=GROUP)
+    # With compile_updates (trainer.compile on a GPU), the compiled elementwise kernels launched
+    # as inductor combo kernels (several per launch); off until measured on a GPU (fused.compiled).
     combo_kernels: bool = False
-
-    def __post_init__(self) -> None:
-        check_group_options(dataclasses.asdict(self))
-
-    @staticmethod
-    def from_config(optim: Any, compile_updates: bool = False) -> "MuonOptions":
-        """From optim/config.py's OptimConfig (optim.muon.* and optim.cautious_wd)."""
-        m = optim.muon
-        return MuonOptions(
-            momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps, coefficients=m.coefficients,
-            ns_dtype=m.ns_dtype, adjust_lr=m.adjust_lr, eps=m.eps, tp_mode=m.tp_mode, ns_method=m.ns_method,
-            ns_by_shape=m.ns_by_shape, normuon=m.normuon, normuon_beta2=m.normuon_beta2,
-            cautious_wd=optim.cautious_wd, compile_updates=compile_updates, cuda_graphs=m.cuda_graphs,
-        )
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "MuonOptions":
         """These options with some fields replaced (Muon(params, ns_dtype="fp32")), checked."""
@@ -113,12 +97,10 @@ class MuonOptions:
         return dataclasses.replace(self, **overrides) if overrides else self
 
     def group_defaults(self) -> dict[str, Any]:
-        """What every param group holds besides lr and weight_decay (torch's group options)."""
-        return dict(momentum=self.momentum, nesterov=self.nesterov, ns_steps=self.ns_steps,
-                    coefficients=self.coefficients, ns_dtype=self.ns_dtype, adjust_lr=self.adjust_lr,
-                    eps=self.eps, split_rows=None, tp_group=None, tp_mode=self.tp_mode,
-                    ns_method=self.ns_method, normuon=self.normuon, normuon_beta2=self.normuon_beta2,
-                    ns_by_shape=None if self.ns_by_shape is None else dict(self.ns_by_shape))
+        """What every param group holds besides lr and weight_decay (torch's group options): the
+        GROUP fields, and each group's head split and TP group (set by the builders)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("group")}
+        return {**out, "ns_by_shape": dict(out["ns_by_shape"] or {}), "split_rows": None, "tp_group": None}
 
 
 def _is_number(x: Any) -> bool:
@@ -137,18 +119,20 @@ def _fraction(key: str, value: Any) -> None:
 
 def check_group_options(options: Mapping[str, Any]) -> None:
     """The options' values (MuonOptions' fields, or a param group holding them): raise
-    ValueError, in one line naming the config key, at the first bad one."""
+    ValueError, in one line naming the config key, at the first bad one. The coefficient set,
+    the step count and the lr scale are checked by the functions that read them
+    (newton_schulz.coefficients_for, muon_scale), so their rules live in one place."""
     if isinstance(options["ns_dtype"], torch.dtype):
         if options["ns_dtype"] not in NS_DTYPES.values():
             raise ValueError(f"optim.muon.ns_dtype: unknown value {options['ns_dtype']!r} "
                              f"(expected one of auto, {', '.join(NS_DTYPES)})")
     else:
         _choice("optim.muon.ns_dtype", options["ns_dtype"], ("auto", *NS_DTYPES))
-    _choice("optim.muon.coefficients", options["coefficients"], tuple(COEFFICIENTS))
-    _choice("optim.muon.adjust_lr", options["adjust_lr"], ADJUST_LR_MODES)
+    coefficients_for(options["coefficients"], options["ns_steps"])
+    muon_scale(1, 1, options["adjust_lr"])
     _choice("optim.muon.tp_mode", options["tp_mode"], TP_MODES)
     _choice("optim.muon.ns_method", options["ns_method"], NS_METHODS)
-    if options.get("ns_by_shape") is not None:
+    if options.get("ns_by_shape"):
         problem = ns_by_shape_problem(options["ns_method"], options["ns_by_shape"])
         if problem is not None:
             raise ValueError(problem)
@@ -157,20 +141,15 @@ def check_group_options(options: Mapping[str, Any]) -> None:
     eps = options["eps"]
     if not _is_number(eps) or not eps > 0:
         raise ValueError(f"optim.muon.eps must be a finite number > 0, got {eps}")
-    steps = options["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise ValueError(f"optim.muon.ns_steps must be an int >= 1, got {steps!r}")
-    if steps < 1:
-        raise ValueError(f"optim.muon.ns_steps must be >= 1, got {steps}")
     for key in ("nesterov", "normuon"):
         if not isinstance(options[key], bool):
             raise ValueError(f"optim.muon.{key} must be a bool, got {options[key]!r}")
 
 
 def check_config_options(optim: Any) -> None:
-    """The run config's Muon options (optim.muon.* and optim.cautious_wd), checked as the
-    optimizer will check them: what trainer/config.py's validate calls."""
-    MuonOptions.from_config(optim)
+    """The run config's Muon options (optim.muon.*), checked as the optimizer will check them:
+    what trainer/config.py's validate calls."""
+    check_group_options(dataclasses.asdict(optim.muon))
 
 
 def check_group(group: dict[str, Any], shapes: Sequence[torch.Size] | None = None) -> None:
@@ -226,6 +205,20 @@ def ns_by_shape_problem(method: str, by_shape: Mapping[str, str]) -> str | None:
     return None
 
 
+def matrix_split(param: Tensor) -> int | None:
+    """The matrix dimension (0: rows, 1: columns) tensor parallelism splits, of a matrix or of
+    each expert of a stack (from the parameter's tp_split_dim); None where it leaves it whole."""
+    dim = getattr(param, "tp_split_dim", None)
+    return None if dim is None else dim - (param.ndim - 2)
+
+
+def full_matrix(rows: int, cols: int, split: int | None, tp: int) -> tuple[int, int]:
+    """The whole matrix's (rows, cols) of a TP-local rows x cols one split along `split`."""
+    if split is None:
+        return rows, cols
+    return (rows * tp, cols) if split == 0 else (rows, cols * tp)
+
+
 def matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, int]:
     """(k, rows, cols): the parameter seen as k independent rows x cols matrices."""
     if len(shape) not in (2, 3):
@@ -243,44 +236,3 @@ def matrix_layout(shape: torch.Size, split_rows: int | None) -> tuple[int, int, 
             )
         k, rows = k * (rows // split_rows), split_rows
     return k, rows, cols
-
-
-# ---- the rule ----
-
-def update_step(params: list[Tensor], updates: list[Tensor], decay: Tensor, alpha: Tensor,
-                cautious: bool = False) -> None:
-    """p <- p * decay + alpha * u, for 0-d tensors decay (1 - lr * wd, gated) and alpha
-    (-lr * scale); with `cautious`, the decay only where u * p > 0. A plain function of
-    tensors, run as it is or compiled (fused.compiled): the scalars that change every step are
-    tensors, so no step recompiles."""
-    for p, u in zip(params, updates):
-        factor = torch.where(u * p > 0, decay, 1.0) if cautious else decay
-        p.copy_(p * factor + u * alpha)
-
-
-def decay_and_update(params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float, scale: float,
-                     options: MuonOptions, keep: Optional[Tensor] = None) -> None:
-    """The rule on every (p, u): p <- p * (1 - lr * weight_decay) - lr * scale * u, the decay
-    only where u * p > 0 under options.cautious_wd. `keep` (0-d float, on the parameters'
-    device: 1.0, or 0.0 for a step skipped on the device): gates the decay; the caller has
-    already zeroed the updates of a skipped step, so it changes nothing, cautiously or not.
-
-    Eagerly as for-each ops (a few launches per list, whatever its length); with
-    options.compile_updates as update_step compiled into one kernel that reads each weight and
-    update once (its factors are fp32 scalars, as for fp32 weights)."""
-    if not params:
-        return
-    decay, alpha = lr * weight_decay, -lr * scale
-    if options.compile_updates:
-        device = params[0].device
-        gate = keep if keep is not None else torch.ones((), device=device)
-        fused.compiled(update_step, options.combo_kernels)(
-            params, updates, 1.0 - decay * gate, torch.full((), alpha, device=device), options.cautious_wd)
-        return
-    if decay != 0 and options.cautious_wd:
-        # 1 - decay where u and p agree in sign, else 1, in the weights' dtype; a skipped
-        # step's u is zero, so it needs no gate.
-        torch._foreach_mul_(params, [(u * p > 0).to(p.dtype).mul_(-decay).add_(1.0) for p, u in zip(params, updates)])
-    elif decay != 0:
-        torch._foreach_mul_(params, 1.0 - decay if keep is None else 1.0 - decay * keep)
-    torch._foreach_add_(params, updates, alpha=alpha)

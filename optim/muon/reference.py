@@ -6,6 +6,11 @@ matrix by matrix, a head-split matrix head by head), in whatever dtype it is giv
 oracle). It covers what changes a single process's arithmetic for plain Muon: momentum and
 Nesterov, the coefficient sets, the lr scales and decoupled weight decay. NorMuon's
 normalisation and the weight-decay variants have tests of their own.
+
+It stays an independent oracle, not a per-matrix caller of optim/muon/update.py's phases: a
+mistake in a phase (an operand order, a gate, a scale) would otherwise be in the expected value
+too, and the test would pass. It shares only the coefficient tables, which tests/test_newton_schulz.py
+pins to their published values, and the tests hold it to an fp64 SVD as well.
 """
 from __future__ import annotations
 

@@ -36,9 +36,10 @@ import torch
 from torch import Tensor
 
 from optim.muon import normuon
-from optim.muon.options import MuonOptions, check_group, decay_and_update, parse_ns_dtype
+from optim.muon.options import MuonOptions, check_group, full_matrix, parse_ns_dtype
 from optim.muon.buffers import reusable_buffer
-from optim.muon.newton_schulz import momentum_update, muon_scale, newton_schulz
+from optim.muon.newton_schulz import muon_scale, newton_schulz
+from optim.muon.update import MomentumSetting, apply_update, gate_for, momentum, phase, update_factors
 from optim.muon.ns_method import NSShape, iteration_for
 from optim.muon.newton_schulz_tp import newton_schulz_sharded
 from optim.zero_plan import ParamSpec, build_plan
@@ -112,6 +113,8 @@ class ShardedMuon(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         options: Optional[MuonOptions] = None,
         tp_group: Group = None,
+        cautious_wd: bool = False,
+        compile_updates: bool = False,
         **overrides: Any,
     ) -> None:
         params = list(params)
@@ -123,6 +126,7 @@ class ShardedMuon(torch.optim.Optimizer):
         self.group = group
         self.tp_group = tp_group
         self.options = (options or MuonOptions()).with_overrides(overrides)
+        self.cautious_wd, self.compile_updates = cautious_wd, compile_updates
         defaults = dict(lr=lr, weight_decay=weight_decay, **self.options.group_defaults())
         check_group({**defaults, "params": []})  # the defaults themselves, as Muon checks them
         super().__init__(params, defaults)
@@ -172,30 +176,19 @@ class ShardedMuon(torch.optim.Optimizer):
                              "matrix holds an empty one)")
         found_inf = getattr(self, "found_inf", None)
         keep = None if found_inf is None else (found_inf == 0).to(torch.float32)
-        inputs = [torch.empty_like(p) for _, p, _, _ in entries]
+        inputs: list[Tensor] = [None] * len(entries)  # type: ignore[list-item]
+        step = phase(momentum, self.compile_updates, self.options.combo_kernels)
         for g in self.param_groups:
             idx = [i for i, e in enumerate(entries) if e[0] is g]
+            if not idx:
+                continue
             params = [entries[i][1] for i in idx]
             bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-            grads = [p.grad for p in params]
-            if keep is None:
-                momentum_update(bufs, grads, [inputs[i] for i in idx], g["momentum"], g["nesterov"])
-                continue
-            # A skipped step: the gradient counts as zero and the momentum keeps its value (NaN * 0
-            # is NaN, so the gradient is overwritten, not scaled); the update is gated below.
-            # The same operations as momentum_update otherwise, so that a gated step that is
-            # not skipped rounds exactly as an ungated one (and a resume stays bit-identical).
-            skip = keep == 0
-            outs = [inputs[i] for i in idx]
-            torch._foreach_copy_(outs, grads)
-            for out in outs:
-                out.masked_fill_(skip, 0.0)
-            torch._foreach_mul_(bufs, torch.where(skip, 1.0, g["momentum"]))
-            torch._foreach_add_(bufs, outs)
-            if g["nesterov"]:
-                torch._foreach_add_(outs, bufs, alpha=g["momentum"])
-            else:
-                torch._foreach_copy_(outs, bufs)
+            flat = params[0].new_empty(sum(p.numel() for p in params))
+            parts = step(bufs, [p.grad for p in params], flat, MomentumSetting.of(g),
+                         gate_for(keep, self.compile_updates, flat.device))
+            for i, part in zip(idx, parts):
+                inputs[i] = part
         updates: list[Optional[Tensor]] = [None] * len(entries)
         # Expert stacks: whole experts on every rank, orthogonalised where they are (gathered over
         # TP first where TP splits each expert's hidden units; every rank of a TP group holds the
@@ -246,10 +239,7 @@ class ShardedMuon(torch.optim.Optimizer):
 
     def _tp_full(self, rows: int, cols: int, split: Optional[int]) -> tuple[int, int]:
         """The whole matrix's shape, from the TP-local one."""
-        tp = group_size(self.tp_group)
-        if split is None:
-            return rows, cols
-        return (rows * tp, cols) if split == 0 else (rows, cols * tp)
+        return full_matrix(rows, cols, split, group_size(self.tp_group))
 
     def _row_shard(self, g: dict[str, Any], full: torch.Size, split: Optional[int]) -> normuon.RowShard:
         """This rank's rows of a 2-D parameter of (TP-local) shape `full`, as NorMuon sees them:
@@ -410,9 +400,8 @@ class ShardedMuon(torch.optim.Optimizer):
 
     def _apply(self, entries: list[tuple[dict[str, Any], Tensor, torch.Size, Optional[int]]],
                updates: list[Optional[Tensor]], keep: Optional[Tensor]) -> None:
-        """The update rule (optim/muon/options.py's decay_and_update) on this rank's rows, with
-        the scale for the whole matrix's shape (TP included). `keep` == 0 (a skipped step)
-        leaves p as it is."""
+        """The update (optim/muon/update.py's apply_update) on this rank's rows, with the scale
+        for the whole matrix's shape (TP included). `keep` == 0 (a skipped step) leaves p as it is."""
         # One for-each call per group and scale (a few launches a step, not a few per matrix).
         buckets: dict[tuple[int, float], tuple[dict[str, Any], list[Tensor], list[Tensor]]] = {}
         for (g, p, full, split), u in zip(entries, updates):
@@ -425,7 +414,9 @@ class ShardedMuon(torch.optim.Optimizer):
             bucket = buckets.setdefault((id(g), scale), (g, [], []))
             bucket[1].append(p)
             bucket[2].append(u)
+        step = phase(apply_update, self.compile_updates, self.options.combo_kernels)
         for (_, scale), (g, params, ups) in buckets.items():
             if keep is not None:
                 ups = torch._foreach_mul(ups, keep)  # a skipped step's update is zero (no decay either)
-            decay_and_update(params, ups, g["lr"], g["weight_decay"], scale, self.options, keep)
+            decay, alpha = update_factors(g["lr"], g["weight_decay"], scale, keep, params[0])
+            step(params, ups, decay, alpha, self.cautious_wd)

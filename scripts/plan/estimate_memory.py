@@ -20,7 +20,8 @@ from pathlib import Path
 
 from planning.layout_limits import oversized
 from trainer.simulation.memory_estimate import OPTIMIZERS, PRECISIONS, EstimateSpec, estimate_memory, train_config
-from planning.memory_plan import planned_memory, preset_config, preset_names
+from model.presets import preset_config, preset_names
+from planning.memory_plan import planned_memory
 from model.config import CHECKPOINTING_MODES
 from parallel.mesh import Layout
 from scripts.refuse import refuse

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from planning.scale_plan import DESIGNS, Hardware, Step, ep_sizes, local_params, predict, predict_ep, tp_sizes
 from model.config import CHECKPOINTING_MODES, ModelConfig
-from scripts.bench.bench_comm import model_config
+from model.presets import preset_config
 from scripts.refuse import refuse
 
 GB = 1e9
@@ -134,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
 
     try:
-        cfg = parse_overrides(model_config(args.model, args.vocab), args.overrides)
+        cfg = parse_overrides(preset_config(args.model, args.vocab), args.overrides)
         hw = Hardware.load(args.hardware)
     except (FileNotFoundError, ValueError) as err:
         refuse(str(err))

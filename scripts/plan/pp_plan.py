@@ -25,7 +25,7 @@ from planning.memory_plan import planned_memory
 from planning.pipeline_plan import PipelineCost, p2p_bytes
 from planning.scale_plan import Hardware
 from parallel.mesh import Layout
-from scripts.bench.bench_comm import model_config
+from model.presets import preset_config
 
 GIB = 1024**3
 LAYOUTS = [  # (pp, tp, schedule, stages per rank)
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", default="none")
     parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size (Llama 3's tokenizer)")
     args = parser.parse_args()
-    cfg, hw = model_config(args.model, args.vocab), Hardware.load(args.hardware)
+    cfg, hw = preset_config(args.model, args.vocab), Hardware.load(args.hardware)
     compute_s = train_flops_per_token(cfg, args.seq_len) * args.tokens_per_step / (args.gpus * hw.matmul_flops)
     print(f"# {args.model} on {args.gpus} x {hw.name}, {args.tokens_per_step} tokens per step, seq {args.seq_len}, "
           f"micro-batches of {args.micro_batch}, Muon, ZeRO-1, checkpointing {args.checkpointing}")

@@ -93,7 +93,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.fsdp import FSDPModule
 
 from trainer.simulation.gpu_stand_ins import BalancedRouting, fake_mode, gpu_kernels, gpu_newton_schulz
-from planning.memory_plan import preset_config
+from model.presets import preset_config
 from optim.builder import build_optimizer
 from model.parallelize import check_ep, check_tp_divisibility
 from parallel.mesh import check_layout, init_simulated_mesh
@@ -111,7 +111,7 @@ class EstimateSpec:
     """What to estimate: a model preset, a layout and the rank in it, one micro-batch."""
 
     model: str = "gpt_8b"
-    vocab_size: int = 0  # 0: the preset's own vocabulary (planning/memory_plan.PRESET_VOCAB)
+    vocab_size: int = 0  # 0: the preset's own vocabulary (model/presets.py PRESET_VOCAB)
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1

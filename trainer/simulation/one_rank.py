@@ -269,7 +269,7 @@ def check_simulated_memory(cfg: TrainConfig) -> None:
     the run trains, the preset's documented one for a pretrained tokenizer) and the precision
     "auto" resolves to here. Call after check_simulation has checked the layout."""
     from planning.layout_limits import oversized
-    from planning.memory_plan import DEFAULT_VOCAB, PRESET_VOCAB
+    from model.presets import DEFAULT_VOCAB, PRESET_VOCAB
     from optim.fast_dtype import resolve_precision
 
     p, t = cfg.parallel, cfg.trainer

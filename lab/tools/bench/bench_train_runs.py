@@ -1,5 +1,5 @@
-"""The run of scripts/bench/bench_train.py: its configurations (Contender), how each is built (our
-Trainer from the composed config, or scripts/bench/reference_gpt.py's model of the same shape),
+"""The run of lab/tools/bench/bench_train.py: its configurations (Contender), how each is built (our
+Trainer from the composed config, or lab/tools/bench/reference_gpt.py's model of the same shape),
 warmed up, timed and measured, interleaved round by round or one at a time. The tables are
 bench_train.py's."""
 from __future__ import annotations
@@ -19,8 +19,9 @@ from hydra import compose, initialize_config_dir
 from eval.flops import train_flops_per_token
 from eval.step_census import StepCensus, census
 from model.config import ModelConfig
-from scripts.bench.bench_common import REPO, cpu_snapshot, foreign_cores, newton_schulz_flops, tensor_bytes
-from scripts.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
+from lab.tools.bench.bench_common import REPO, cpu_snapshot, foreign_cores, tensor_bytes
+from planning.newton_schulz_cost import newton_schulz_flops
+from lab.tools.bench.reference_gpt import ReferenceConfig, ReferenceTrainer
 from trainer.config import TrainConfig, to_dataclass, validate
 from trainer.loop import Trainer
 

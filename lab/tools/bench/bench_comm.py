@@ -1,7 +1,7 @@
 """Optimizer communication, Newton-Schulz work and state per rank, for four ZeRO-1 designs.
 
-    python scripts/bench/bench_comm.py                      # gpt_small at DP in {2, 4}, TP in {1, 2}
-    python scripts/bench/bench_comm.py --model gpt_tiny --layouts 2x1 2x2 --no-measure
+    python lab/tools/bench/bench_comm.py                      # gpt_small at DP in {2, 4}, TP in {1, 2}
+    python lab/tools/bench/bench_comm.py --model gpt_tiny --layouts 2x1 2x2 --no-measure
 
 The designs (adamw-zero1, muon-ours, moonlight, megatron-poc) and their conventions are
 described in planning/scale_plan.py, which computes every row from the layouts; this script prints
@@ -13,13 +13,13 @@ computed ones. scripts/plan/plan_scale.py adds memory and predicted times, from 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 
-from scripts import REPO
 from planning.scale_plan import design_rows, local_params
 from model.config import ModelConfig
+from model.presets import preset_config
 from model.gpt import GPT
 
 
@@ -47,23 +47,19 @@ def _measure_worker(rank: int, world: int, cfg: ModelConfig, tp: int, ep: int = 
             "plan_costs": [r.ns_cost for r in opt.plan.ranks]}
 
 
-def measure(cfg: ModelConfig, dp: int, tp: int, ep: int = 1, optim: str = "muon") -> dict[str, float]:
-    from tests.distributed import run_distributed
-
-    per_rank = run_distributed(_measure_worker, dp * tp, cfg, tp, ep, optim)
+def measure(cfg: ModelConfig, dp: int, tp: int, ep: int = 1, optim: str = "muon",
+            launch: Optional[Callable[..., list]] = None) -> dict[str, float]:
+    """One counted ZeroOptimizer step on dp * tp gloo ranks. `launch(fn, world_size, *args)`
+    runs them (default: lab/tools/spawn.py's fresh processes; the tests pass their pool)."""
+    if launch is None:
+        from lab.tools.spawn import run_ranks as launch
+    per_rank = launch(_measure_worker, dp * tp, cfg, tp, ep, optim)
     return {
         "dp_bytes": per_rank[0]["dp_bytes"],
         "tp_bytes": sum(r["tp_bytes"] for r in per_rank[::tp]) / dp,  # one TP rank per DP rank
         "state": max(r["state"] for r in per_rank),
         "plan_costs": per_rank[0]["plan_costs"],
     }
-
-
-def model_config(preset: str, vocab: int) -> ModelConfig:
-    import yaml  # the presets are plain YAML; GPU images with their own torch may lack omegaconf
-
-    fields = yaml.safe_load((REPO / "conf" / "model" / f"{preset}.yaml").read_text())
-    return replace(ModelConfig(**fields), vocab_size=vocab)
 
 
 def main() -> None:
@@ -74,7 +70,7 @@ def main() -> None:
     parser.add_argument("--max-world", type=int, default=4, help="measure layouts up to this world size")
     parser.add_argument("--no-measure", action="store_true")
     args = parser.parse_args()
-    cfg = model_config(args.model, args.vocab)
+    cfg = preset_config(args.model, args.vocab)
 
     print(f"model {args.model} (vocab {args.vocab}); per optimizer step, per rank")
     print("| DPxTP | design | DP bytes | vs AdamW | TP bytes | NS GFLOP max | NS max / (total/DP) | state MB/rank | measured |")

@@ -1,7 +1,7 @@
 """What one fair-study trial costs, as the study runs it now against as it ran before.
 
-    python scripts/bench/bench_study_trial.py                    # the default study (gpt_small), 3 rounds
-    python scripts/bench/bench_study_trial.py --smoke --rounds 5
+    python lab/tools/bench/bench_study_trial.py                    # the default study (gpt_small), 3 rounds
+    python lab/tools/bench/bench_study_trial.py --smoke --rounds 5
 
 A trial is the study's first tuning trial of Muon (its plan's overrides, its tuning split and
 seed) at --steps steps, run through train.py in this process as the study's runs are. "before":
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.bench.bench_common import machine_info
+from lab.tools.bench.bench_common import machine_info
 from scripts.fair_compare import run_train_py
 from study.checks import compose_study
 from study.plan import build_plan

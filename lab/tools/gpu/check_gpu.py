@@ -1,9 +1,9 @@
 """One GPU check that fits in ten minutes on one H100 or H200: `make check-gpu`.
 
     make check-gpu PY=python3 SETUP= OUT_DIR=/path/to/out     # on a GPU image with its own torch
-    python3 scripts/gpu/check_gpu.py --out check-gpu --plain ../shared/bench/plain_gpt_step.py
-    python3 scripts/gpu/check_gpu.py --dry-run                     # the steps, commands, limits and budget
-    python3 scripts/gpu/check_gpu.py --only gpt_1b moe_1b          # some steps again, optional ones too
+    python3 lab/tools/gpu/check_gpu.py --out check-gpu --plain ../shared/bench/plain_gpt_step.py
+    python3 lab/tools/gpu/check_gpu.py --dry-run                     # the steps, commands, limits and budget
+    python3 lab/tools/gpu/check_gpu.py --only gpt_1b moe_1b          # some steps again, optional ones too
 
 The steps, in this order, each in its own process group with its own time limit. Two run
 *alongside* the steps after them (they measure no speed, so they may share the GPU): they start,
@@ -11,7 +11,7 @@ the next steps start at once, and the check waits for them before the first step
 something, which always has the machine to itself.
 
   machine         GPU, driver, python, torch, torchao, CUDA, hydra, transformers, pytest-xdist, commit
-  compare-bf16    alongside: the fair study's tuned choice rerun in bf16 (scripts/gpu/reference_bf16.py:
+  compare-bf16    alongside: the fair study's tuned choice rerun in bf16 (lab/tools/gpu/reference_bf16.py:
                   lab/results/fair's largest dense rung, every budget, 3 fresh seeds, 4 runs at a time,
                   the same report), into <out>/compare-bf16/; goal: at most 240 s
   gpt_1b-loss     alongside: bench_train.py --losses, gpt_1b eager, micro-batch 2 x 1024, Muon, bf16
@@ -79,14 +79,14 @@ from pathlib import Path
 from typing import IO, Optional
 
 from scripts import REPO
-from scripts.gpu.check_gpu_logs import (  # re-exported: tests read them through this module
+from lab.tools.gpu.check_gpu_logs import (  # re-exported: tests read them through this module
     bench_rows, markdown_tables, muon_over_adamw, number, plain_figures, pytest_outcome, read, table_blocks,
 )
-from scripts.gpu.check_gpu_report import StepLog, goal_lines, section_compare, section_gpt_1b
-from scripts.gpu.check_gpu_steps import (  # re-exported: tests read them through this module
+from lab.tools.gpu.check_gpu_report import StepLog, goal_lines, section_compare, section_gpt_1b
+from lab.tools.gpu.check_gpu_steps import (  # re-exported: tests read them through this module
     DEFAULT_FP8, PLAIN_NAME, Step, expected_s, find_plain, plan,
 )
-from scripts.gpu.process_group import start, wait_or_stop
+from lab.tools.gpu.process_group import start, wait_or_stop
 
 DEFAULT_BUDGET_S = 530  # of one 10-minute command, leaving time to install wheels and copy logs back
 
@@ -371,7 +371,7 @@ def render(check: Check) -> str:
 
 
 def step_logs(check: Check) -> dict[str, StepLog]:
-    """Each step as scripts/gpu/check_gpu_report.py reads it: its log once it ran, else why not."""
+    """Each step as lab/tools/gpu/check_gpu_report.py reads it: its log once it ran, else why not."""
     return {r.step.name: StepLog("" if r.status in ("pending", "running", "skipped") else read(r.log),
                                  not_run(r) if r.status in ("pending", "running", "skipped") else "",
                                  r.seconds, r.step.what) for r in check.results}
@@ -449,7 +449,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--only: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
                      + ", ".join(s.name for s in every))
     steps = [s for s in every if s.name == "machine" or (s.name in args.only if args.only else not s.optional)]
-    check = Check(Path(args.out).resolve(), args.budget, "scripts/gpu/check_gpu.py " + shlex.join(argv or sys.argv[1:]),
+    check = Check(Path(args.out).resolve(), args.budget, "lab/tools/gpu/check_gpu.py " + shlex.join(argv or sys.argv[1:]),
                   archive=Path(args.archive).resolve() if args.archive else None)
     if args.dry_run:
         print_plan(steps, [s for s in every if s.optional and s not in steps], args.budget, check.out,

@@ -1,7 +1,7 @@
 """Standard against Gram Newton-Schulz (optim.muon.ns_method), side by side in one run.
 
-    .venv/bin/python scripts/bench/bench_ns_method.py                       # CPU: fp32, per-shape stacks
-    python3 scripts/bench/bench_ns_method.py --dtype bf16 --stack 0         # on a GPU: whole stacks
+    .venv/bin/python lab/tools/bench/bench_ns_method.py                       # CPU: fp32, per-shape stacks
+    python3 lab/tools/bench/bench_ns_method.py --dtype bf16 --stack 0         # on a GPU: whole stacks
 
 For each model (gpt_124m and moe_1b by default), every distinct Muon matrix shape of the real
 model (built on the meta device) gets a row: Newton-Schulz of a stack of `--stack` matrices of
@@ -31,8 +31,8 @@ from optim.muon import ns_choice
 from optim.muon.optimizer import Muon
 from optim.muon.newton_schulz import newton_schulz
 from optim.muon.ns_method import NSShape, gram_macs, gram_pays, standard_macs
-from scripts.bench.bench_comm import model_config
-from scripts.bench.bench_common import ROUND_STATS, interleaved_times, machine_info, paired_ratio
+from model.presets import preset_config
+from lab.tools.bench.bench_common import ROUND_STATS, interleaved_times, machine_info, paired_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 STEPS = 5
@@ -41,7 +41,7 @@ STEPS = 5
 def muon_shapes(model: str) -> collections.Counter:
     """{(rows, cols): how many such matrices Muon steps} for a conf/model preset."""
     counts: collections.Counter = collections.Counter()
-    for p in local_params(model_config(model, vocab=32768), tp=1):
+    for p in local_params(preset_config(model, vocab_size=32768), tp=1):
         if p.muon:
             counts.update(p.matrices)
     return counts

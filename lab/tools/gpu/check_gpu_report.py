@@ -1,14 +1,14 @@
-"""summary.md's sections for the goals of `make check-gpu` (scripts/gpu/check_gpu.py): gpt_1b in bf16
+"""summary.md's sections for the goals of `make check-gpu` (lab/tools/gpu/check_gpu.py): gpt_1b in bf16
 against FP8 (tokens/s, MFU, peak memory, the loss after 200 steps), the fair study's choice
 rerun in bf16, and one line per goal with what this run measured against it. Text in, Markdown
-lines out (the figures from scripts/gpu/check_gpu_logs.py's readers), so tests/test_check_gpu.py
+lines out (the figures from lab/tools/gpu/check_gpu_logs.py's readers), so tests/test_check_gpu.py
 checks the arithmetic without a GPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from scripts.gpu.check_gpu_logs import (
+from lab.tools.gpu.check_gpu_logs import (
     bench_row, bench_rows, fp8_loss_change, fp8_over_bf16, loss_rows, muon_step_ms, number, plain_figures,
     planner_line, run_line, table_blocks, verdict,
 )
@@ -93,7 +93,7 @@ def _loss_table(rows: list[dict[str, str]]) -> list[str]:
 
 
 def section_compare(logs: dict[str, StepLog]) -> list[str]:
-    out = ["## The fair study's choice in bf16 (`scripts/gpu/reference_bf16.py`: `fair_compare.py --rerun`)", ""]
+    out = ["## The fair study's choice in bf16 (`lab/tools/gpu/reference_bf16.py`: `fair_compare.py --rerun`)", ""]
     why = _absent(logs, "compare-bf16")
     if why:
         return out + [why, ""]

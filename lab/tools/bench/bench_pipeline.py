@@ -1,8 +1,8 @@
 """The pipeline bubble, measured: step time at pp 1 and pp 2 for several micro-batch counts,
 next to the planner's bubble fraction (planning/pipeline_plan.py), and Muon's share of the step on each stage.
 
-    python scripts/bench/bench_pipeline.py                        # gpt_small, 1f1b and gpipe, m = 2 4 8
-    python scripts/bench/bench_pipeline.py --model gpt_tiny --steps 6 --microbatches 2 4
+    python lab/tools/bench/bench_pipeline.py                        # gpt_small, 1f1b and gpipe, m = 2 4 8
+    python lab/tools/bench/bench_pipeline.py --model gpt_tiny --steps 6 --microbatches 2 4
 
 Each configuration is a real training run (train.py; pp 2 under torchrun, each rank one CPU
 thread, the pp 1 run one thread too), timed by its own perf/step_s over the steps after the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from planning.pipeline_plan import bubble_fraction
 from scripts import REPO
-from scripts.bench.bench_common import machine_info
+from lab.tools.bench.bench_common import machine_info
 
 
 def run(run_dir: Path, pp: int, overrides: list[str]) -> dict[str, float]:

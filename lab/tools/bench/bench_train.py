@@ -1,17 +1,17 @@
 """Training throughput and MFU of our trainer against a plain-PyTorch reference, side by side.
 
-    python scripts/bench/bench_train.py                     # gpt_small, moe_small; eager, compiled; fp32, bf16
-    python scripts/bench/bench_train.py --models gpt_small --modes eager --precisions fp32 --rounds 5
-    python scripts/bench/bench_train.py --batch-size 8 --seq-len 512 --optims adamw muon
-    python scripts/bench/bench_train.py --census ...        # + ops/kernels, host syncs, GPU busy, memory
-    python scripts/bench/bench_train.py --batch-size 16 --seq-len 1024 --tokens-per-step 16384 524288
+    python lab/tools/bench/bench_train.py                     # gpt_small, moe_small; eager, compiled; fp32, bf16
+    python lab/tools/bench/bench_train.py --models gpt_small --modes eager --precisions fp32 --rounds 5
+    python lab/tools/bench/bench_train.py --batch-size 8 --seq-len 512 --optims adamw muon
+    python lab/tools/bench/bench_train.py --census ...        # + ops/kernels, host syncs, GPU busy, memory
+    python lab/tools/bench/bench_train.py --batch-size 16 --seq-len 1024 --tokens-per-step 16384 524288
     make bench-gpu                                    # the GPU benchmark: gpt_124m and moe_1b
-    python scripts/bench/bench_train.py --models gpt_1b --precisions bf16 --fp8 none tensorwise \
+    python lab/tools/bench/bench_train.py --models gpt_1b --precisions bf16 --fp8 none tensorwise \
         --batch-size plan --seq-len 4096 --one-at-a-time --no-reference --modes compiled
 
 Every configuration runs the real Trainer's train step (forward, backward, clip, optimizer;
 no logging statistics) on the embedded corpus. Beside each dense model runs
-scripts/bench/reference_gpt.py's minimal model of the same shape, with the same batch, sequence
+lab/tools/bench/reference_gpt.py's minimal model of the same shape, with the same batch, sequence
 length, precision and mode (eager or torch.compile), so `ours / reference` shows what the
 trainer costs on top of the bare model. Ours uses optim=adamw by default, as the reference
 does, so the ratio compares like with like; `--optims adamw muon` adds our Muon step beside it
@@ -53,7 +53,7 @@ Trainer.evaluate(). Every configuration starts from the same seed and sees the s
 so at equal steps two rows differ only by their arithmetic (FP8 against bf16); pass
 trainer.max_steps=<steps> to give the lr schedule that length.
 
-How each configuration is built, warmed up, timed and measured: scripts/bench/bench_train_runs.py.
+How each configuration is built, warmed up, timed and measured: lab/tools/bench/bench_train_runs.py.
 
 MFU = tokens/s x model FLOPs per token (eval/flops.py) / the matmul peak of this machine,
 measured in this run: F.linear on square operands in the same precision, before and after
@@ -78,10 +78,10 @@ import torch
 
 from planning.scale_plan import Hardware
 from eval.step_census import fmt
-from scripts.bench.bench_common import (
+from lab.tools.bench.bench_common import (
     hardware_for_device, linear_peak, machine_info, peak_size, percent_of_peak, planned_batch,
 )
-from scripts.bench.bench_train_runs import (
+from lab.tools.bench.bench_train_runs import (
     Contender, compose_config, plan_contenders, run_interleaved, run_one_at_a_time,
 )
 from scripts.refuse import refuse

@@ -1,8 +1,8 @@
 """What building the model costs at start-up: peak host memory and wall time of build_model.
 
-    python scripts/bench/bench_startup.py                       # gpt_1b, vocab 8192, new build only
-    python scripts/bench/bench_startup.py --old                 # and the old build, side by side
-    python scripts/bench/bench_startup.py --model gpt_small --vocab 50304 --dp-shard 8 --old
+    python lab/tools/bench/bench_startup.py                       # gpt_1b, vocab 8192, new build only
+    python lab/tools/bench/bench_startup.py --old                 # and the old build, side by side
+    python lab/tools/bench/bench_startup.py --model gpt_small --vocab 50304 --dp-shard 8 --old
 
 Each measurement is a fresh process (so its peak RSS, /proc/self/status VmHWM, is the build's
 own) that builds the model on the CPU: (a) as a single process, (b) as rank 0 of a dp_shard N

@@ -1,5 +1,5 @@
 """A minimal dense Llama-style GPT and training step in plain PyTorch, the yardstick for our
-trainer's throughput (scripts/bench/bench_train.py runs both on the same shape, batch and precision).
+trainer's throughput (lab/tools/bench/bench_train.py runs both on the same shape, batch and precision).
 
 Deliberately nothing but the model and the step, each part in its best plain-PyTorch form:
 pre-norm nn.RMSNorm blocks (torch's fused kernel), separate q / k / v projections, rotary
@@ -7,7 +7,7 @@ embeddings, causal scaled_dot_product_attention, a SwiGLU MLP, an untied LM head
 AdamW, gradient clipping (clip_grad_norm_, for-each norms). No parallelism, no metrics, no MoE, no data pipeline: the
 difference between the two tokens/s figures is the cost of everything our trainer adds.
 
-    python scripts/bench/reference_gpt.py --steps 5 --precision fp32    # quick stand-alone timing
+    python lab/tools/bench/reference_gpt.py --steps 5 --precision fp32    # quick stand-alone timing
 """
 from __future__ import annotations
 

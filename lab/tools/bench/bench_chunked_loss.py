@@ -1,7 +1,7 @@
 """Peak memory and time of the LM head and its loss, forward and backward, by model.loss_chunks.
 
-    .venv/bin/python scripts/bench/bench_chunked_loss.py                    # CPU, fp32, V=128k, 8k tokens
-    python3 scripts/bench/bench_chunked_loss.py --device cuda --precision bf16
+    .venv/bin/python lab/tools/bench/bench_chunked_loss.py                    # CPU, fp32, V=128k, 8k tokens
+    python3 lab/tools/bench/bench_chunked_loss.py --device cuda --precision bf16
 
 One step is what GPT.forward and the backward do after the final norm: the head on hidden
 states [1, tokens, d_model] and the mean cross-entropy (LMHead.loss as a whole for 1 chunk,
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.chunked_loss import chunked_head_loss
 from model.gpt import LMHead
-from scripts.bench.bench_common import machine_info
+from lab.tools.bench.bench_common import machine_info
 
 
 class LiveBytes(TorchDispatchMode):

@@ -1,7 +1,7 @@
 """Calibrate the scale planner on this machine: its predicted times against measured ones.
 
-    python scripts/plan/calibrate_plan.py                          # gpt_small; DP 2, DP 4, TP 2
-    python scripts/plan/calibrate_plan.py --model gpt_tiny --layouts 2x1
+    python lab/tools/bench/calibrate_plan.py                          # gpt_small; DP 2, DP 4, TP 2
+    python lab/tools/bench/calibrate_plan.py --model gpt_tiny --layouts 2x1
 
 For each layout, spawned gloo ranks (one intra-op thread each) first measure this machine's
 rates the way planning/scale_plan.py's hardware profile states them, all ranks at once so that
@@ -26,8 +26,8 @@ import torch
 
 from planning.scale_plan import Hardware, predict
 from model.config import ModelConfig
-from scripts.bench.bench_common import machine_info
-from scripts.bench.bench_comm import model_config
+from lab.tools.bench.bench_common import machine_info
+from model.presets import preset_config
 
 
 def _throughput(fn, seconds: float) -> float:
@@ -144,16 +144,16 @@ def main() -> None:
         if int(dims[0]) * int(dims[1]) < 2:
             parser.error(f"--layouts: {layout} has one rank; the link's latency and bandwidth are "
                          "measured between ranks, so every layout needs at least 2")
-    from tests.distributed import run_distributed
+    from lab.tools.spawn import run_ranks
 
-    cfg = model_config(args.model, args.vocab)
+    cfg = preset_config(args.model, args.vocab)
     print(f"{machine_info()}; {date.today()}; model {args.model}, {args.batch} x {args.seq_len} tokens per rank, "
           "fp32, one thread per rank")
     print("| DPxTP | measured rates | time | measured ms | predicted ms | error |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     for layout in args.layouts:
         dp, tp = (int(v) for v in layout.split("x"))
-        results = run_distributed(_worker, dp * tp, cfg, tp, args.batch, args.seq_len, args.steps, args.matmul_size)
+        results = run_ranks(_worker, dp * tp, cfg, tp, args.batch, args.seq_len, args.steps, args.matmul_size)
         hw = measured_hardware(results)
         tokens = args.batch * args.seq_len * dp
         steps = predict(replace(cfg), hw, dp, tp, tokens, args.seq_len, args.batch)

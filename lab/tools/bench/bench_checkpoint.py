@@ -1,7 +1,7 @@
 """What a checkpoint save costs the training loop: synchronous vs checkpoint.async_save.
 
-    python scripts/bench/bench_checkpoint.py                      # gpt_small, DP=2 on gloo, 3 rounds
-    python scripts/bench/bench_checkpoint.py --model gpt_tiny --dp 2 --rounds 5
+    python lab/tools/bench/bench_checkpoint.py                      # gpt_small, DP=2 on gloo, 3 rounds
+    python lab/tools/bench/bench_checkpoint.py --model gpt_tiny --dp 2 --rounds 5
 
 Every rank builds the real Trainer (the configured model, fp32, the embedded corpus) once.
 A round runs the same stretch of training steps three times, in turn: without a save, with a
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from scripts import REPO
-from scripts.bench.bench_common import machine_info
-from tests.distributed import run_distributed
+from lab.tools.bench.bench_common import machine_info
+from lab.tools.spawn import run_ranks
 
 MODES = ("none", "sync", "async")
 
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
-        per_rank = run_distributed(_worker, args.dp, args.model, args.batch, args.seq_len, args.steps,
+        per_rank = run_ranks(_worker, args.dp, args.model, args.batch, args.seq_len, args.steps,
                                    args.rounds, run_dir)
         sizes = sorted(Path(run_dir, "checkpoints").glob("step_*"))
         size_mb = sum(f.stat().st_size for f in sizes[-1].iterdir()) / 1e6 if sizes else float("nan")

@@ -1,4 +1,4 @@
-"""Readers of the logs `make check-gpu` (scripts/gpu/check_gpu.py) writes: pytest's counts, Markdown
+"""Readers of the logs `make check-gpu` (lab/tools/gpu/check_gpu.py) writes: pytest's counts, Markdown
 tables, numbers in table cells and the figures of bench_train.py and the plain step. Pure text
 in, values out, so the summary's arithmetic is tested without a GPU (tests/test_check_gpu.py)."""
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The fair study's tuned choice, rerun in bf16 on one GPU: `make compare-gpu`, and `make
 check-gpu`'s compare-bf16 step.
 
-    python scripts/gpu/reference_bf16.py                    # the largest dense rung of lab/results/fair
-    python scripts/gpu/reference_bf16.py --study S --out O --seeds 100,101,102 --jobs 4 --timeout 200
-    python scripts/gpu/reference_bf16.py --study lab/results/fair_smoke --out /tmp/o --jobs 1   # the plumbing, a CPU minute
+    python lab/tools/gpu/reference_bf16.py                    # the largest dense rung of lab/results/fair
+    python lab/tools/gpu/reference_bf16.py --study S --out O --seeds 100,101,102 --jobs 4 --timeout 200
+    python lab/tools/gpu/reference_bf16.py --study lab/results/fair_smoke --out /tmp/o --jobs 1   # the plumbing, a CPU minute
 
 `scripts/fair_compare.py --rerun STUDY` with `trainer.precision=bf16 optim.muon.ns_dtype=bf16`:
 each side runs the settings the fp32 study chose at every budget (tuned on a CPU, not re-tuned
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from scripts import REPO
-from scripts.gpu.process_group import start, wait_or_stop
+from lab.tools.gpu.process_group import start, wait_or_stop
 from scripts.refuse import refuse
 
 LADDER = REPO / "lab" / "results" / "fair"

@@ -1,8 +1,8 @@
 """Optimizer overhead of a full training step at data parallelism 4: Muon vs AdamW.
 
-    python scripts/bench/bench_optim_overhead.py                        # gpt_small, DP=4, fp32
-    python scripts/bench/bench_optim_overhead.py --model gpt_tiny --steps 12 --nproc 2
-    python scripts/bench/bench_optim_overhead.py optim.muon.ns_dtype=fp32   # trailing: Hydra overrides
+    python lab/tools/bench/bench_optim_overhead.py                        # gpt_small, DP=4, fp32
+    python lab/tools/bench/bench_optim_overhead.py --model gpt_tiny --steps 12 --nproc 2
+    python lab/tools/bench/bench_optim_overhead.py optim.muon.ns_dtype=fp32   # trailing: Hydra overrides
 
 Launches real training runs, one per optimizer, one after the other:
 
@@ -25,7 +25,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from scripts.bench.bench_common import add_run_arguments, machine_info, parse_run_arguments, torchrun_train
+from lab.tools.bench.bench_common import add_run_arguments, machine_info, parse_run_arguments, torchrun_train
 
 
 def run(optim: str, args: argparse.Namespace, run_dir: Path) -> list[dict]:

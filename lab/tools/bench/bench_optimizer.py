@@ -1,7 +1,7 @@
 """Benchmark optim.muon.Muon against torch.optim.Muon on the hidden matrices of a model.
 
-    .venv/bin/python scripts/bench/bench_optimizer.py [--repeats 15] [--warmup 3] [--threads N]
-    python3 scripts/bench/bench_optimizer.py --model gpt_124m --dtypes bf16     # on a GPU
+    .venv/bin/python lab/tools/bench/bench_optimizer.py [--repeats 15] [--warmup 3] [--threads N]
+    python3 lab/tools/bench/bench_optimizer.py --model gpt_124m --dtypes bf16     # on a GPU
 
 gpt_small: 6 layers, d_model 384, 6 heads of 64, 6 KV heads, ffn_hidden 1024; per layer
 wq, wk, wv, wo [384, 384], w_gate, w_up [1024, 384], w_down [384, 1024] (42 matrices).
@@ -43,7 +43,7 @@ import torch.optim._muon as torch_muon_module
 from optim.muon import ns_choice
 from optim.muon.optimizer import Muon
 from optim.muon.newton_schulz import coefficients_for, newton_schulz
-from scripts.bench.bench_common import (
+from lab.tools.bench.bench_common import (
     FOREIGN_LIMIT, ROUND_STATS, interleaved_times, machine_info, matmul_peak, paired_ratio, peak_size,
     percent_of_peak, tensor_bytes,
 )

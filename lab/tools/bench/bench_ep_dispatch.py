@@ -1,7 +1,7 @@
 """What expert parallelism's dispatch costs by itself: one process, the EP code path on and off.
 
-    python scripts/bench/bench_ep_dispatch.py                                # moe_1b, 8 x 2048, bf16, on CUDA
-    python scripts/bench/bench_ep_dispatch.py --model moe_small --batch 2 --seq-len 256 --precision fp32
+    python lab/tools/bench/bench_ep_dispatch.py                                # moe_1b, 8 x 2048, bf16, on CUDA
+    python lab/tools/bench/bench_ep_dispatch.py --model moe_small --batch 2 --seq-len 256 --precision fp32
 
 With an EP group of one rank (parallel/expert_parallel.py runs on a group of one: its
 all-to-alls are copies), every MoE layer still does all an EP rank does: the counts'
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from model.gpt import GPT
 from model.moe import moe_layers
-from scripts.bench.bench_comm import model_config
-from scripts.bench.bench_common import interleaved_times, machine_info, paired_ratio
+from model.presets import preset_config
+from lab.tools.bench.bench_common import interleaved_times, machine_info, paired_ratio
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    cfg = replace(model_config(args.model, args.vocab), max_seq_len=max(args.seq_len, 1))
+    cfg = replace(preset_config(args.model, args.vocab), max_seq_len=max(args.seq_len, 1))
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/store",
                                 rank=0, world_size=1)

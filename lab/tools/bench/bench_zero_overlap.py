@@ -1,8 +1,8 @@
 """ZeRO-1 parameter all-gather: one all-gather after the whole step vs bucketed asynchronous
 all-gathers that overlap the Newton-Schulz of later buckets (optim.gather_buckets).
 
-    python scripts/bench/bench_zero_overlap.py                         # gpt_small, Muon, DP=2: 1 vs 4 vs 8 buckets
-    python scripts/bench/bench_zero_overlap.py --dp 2 --tp 2 --buckets 1 4 --model gpt_tiny
+    python lab/tools/bench/bench_zero_overlap.py                         # gpt_small, Muon, DP=2: 1 vs 4 vs 8 buckets
+    python lab/tools/bench/bench_zero_overlap.py --dp 2 --tp 2 --buckets 1 4 --model gpt_tiny
 
 Every rank builds the real ZeroOptimizer once per bucket setting (same model, same seed) on
 gloo. A round gives every setting one step, in turn: random gradients, prepare_grads (the
@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from scripts.bench.bench_comm import model_config
-from tests.distributed import run_distributed
+from model.presets import preset_config
+from lab.tools.spawn import run_ranks
 
 
 def _worker(rank: int, world: int, preset: str, vocab: int, tp: int, buckets: list[int],
@@ -32,17 +32,18 @@ def _worker(rank: int, world: int, preset: str, vocab: int, tp: int, buckets: li
     from parallel.comm import COUNTER
     from model.gpt import GPT
     from model.parallelize import parallelize_tp
-    from optim.config import MuonConfig, OptimConfig
+    from optim.config import OptimConfig
+    from optim.muon.options import MuonOptions
     from optim.zero import ZeroOptimizer
     from parallel.mesh import build_mesh
 
-    cfg = model_config(preset, vocab)
+    cfg = preset_config(preset, vocab)
     mesh = build_mesh(tp)
     setups = {}
     for b in buckets:
         torch.manual_seed(0)
         model = parallelize_tp(GPT(cfg), mesh.tp_group)
-        ocfg = OptimConfig(name="muon", gather_buckets=b, muon=replace(MuonConfig(), ns_dtype=ns_dtype))
+        ocfg = OptimConfig(name="muon", gather_buckets=b, muon=replace(MuonOptions(), ns_dtype=ns_dtype))
         setups[b] = (model, ZeroOptimizer(model, ocfg, cfg, mesh))
     gen = torch.Generator().manual_seed(1 + rank)
     times: dict[int, tuple[list[float], list[float]]] = {b: ([], []) for b in buckets}
@@ -79,7 +80,7 @@ def main() -> None:
     if 1 not in args.buckets:
         args.buckets = [1, *args.buckets]
 
-    per_rank = run_distributed(_worker, args.dp * args.tp, args.model, args.vocab, args.tp, args.buckets,
+    per_rank = run_ranks(_worker, args.dp * args.tp, args.model, args.vocab, args.tp, args.buckets,
                                args.ns_dtype, args.warmup, args.rounds)
     step = {b: per_rank[0][b][0] for b in args.buckets}  # already the max over ranks
     blocked = {b: [statistics.median(r[b][1]) for r in per_rank] for b in args.buckets}

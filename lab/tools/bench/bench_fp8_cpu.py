@@ -2,7 +2,7 @@
 Float8Linear's forward and backward on this CPU with torch's _scaled_mm against torchao's
 emulation (the same float8 casts, the product in fp32), interleaved.
 
-    python scripts/bench/bench_fp8_cpu.py [--shape 512 64 192] [--repeats 10]
+    python lab/tools/bench/bench_fp8_cpu.py [--shape 512 64 192] [--repeats 10]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What `make check-gpu` runs (scripts/gpu/check_gpu.py, whose docstring says what each step is
+"""What `make check-gpu` runs (lab/tools/gpu/check_gpu.py, whose docstring says what each step is
 for and why the list is what it is): the steps, their commands, time limits and expected
 seconds, and the check's expected total."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional
 from scripts import REPO
 
 PLAIN_NAME = "plain_gpt_step.py"
-DEFAULT_FP8 = "tensorwise"  # why not rowwise: scripts/gpu/check_gpu.py's docstring
+DEFAULT_FP8 = "tensorwise"  # why not rowwise: lab/tools/gpu/check_gpu.py's docstring
 
 # Prints the machine; run as a step of its own, so the check's own process never touches CUDA.
 MACHINE_SNIPPET = r"""
@@ -89,7 +89,7 @@ def plan(py: str, plain: Optional[Path], looked: list[str], xdist_workers: int,
     compare = out / "compare-bf16"
     return [
         Step("machine", "GPU, driver and library versions", [py, "-c", MACHINE_SNIPPET], 30, 5,
-             shown=f"{py} -c <MACHINE_SNIPPET of scripts/gpu/check_gpu.py>", expect_s=8),
+             shown=f"{py} -c <MACHINE_SNIPPET of lab/tools/gpu/check_gpu.py>", expect_s=8),
         Step("compare-bf16", "the fair study's tuned choice rerun in bf16: its largest dense rung, 3 fresh seeds, "
              "the same report", [py, script("gpu/reference_bf16.py"), "--out", str(compare), "--timeout", "200"],
              240, 120, expect_s=150, alongside=True),

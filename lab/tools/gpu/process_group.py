@@ -1,6 +1,6 @@
 """A command in a process group of its own, its output into a file, stopped whole when it runs
-past its time: what `make check-gpu` (scripts/gpu/check_gpu.py) does with each step, and
-scripts/gpu/reference_bf16.py with each of its sweeps. A group, because the command's children
+past its time: what `make check-gpu` (lab/tools/gpu/check_gpu.py) does with each step, and
+lab/tools/gpu/reference_bf16.py with each of its sweeps. A group, because the command's children
 (pytest-xdist workers, torch.compile's compile workers, Hydra's jobs) must go with it."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import IO, Optional
 
@@ -38,9 +37,3 @@ def wait_or_stop(proc: subprocess.Popen, timeout_s: float) -> tuple[Optional[int
         except subprocess.TimeoutExpired:
             continue
     return proc.returncode, True
-
-
-def wait_all(procs: dict[str, subprocess.Popen], timeout_s: float) -> dict[str, tuple[Optional[int], bool]]:
-    """wait_or_stop for several groups sharing one deadline, `timeout_s` from now."""
-    deadline = time.monotonic() + timeout_s
-    return {name: wait_or_stop(p, deadline - time.monotonic()) for name, p in procs.items()}

@@ -1,8 +1,8 @@
 """Expert parallelism against TP-split experts on as many ranks: tokens/s and bytes per step.
 
-    python scripts/bench/bench_expert_parallel.py                   # moe_small, 2 and 4 ranks, fp32
-    python scripts/bench/bench_expert_parallel.py --nprocs 2 --steps 6
-    python scripts/bench/bench_expert_parallel.py optim.muon.ns_dtype=fp32   # trailing: Hydra overrides
+    python lab/tools/bench/bench_expert_parallel.py                   # moe_small, 2 and 4 ranks, fp32
+    python lab/tools/bench/bench_expert_parallel.py --nprocs 2 --steps 6
+    python lab/tools/bench/bench_expert_parallel.py optim.muon.ns_dtype=fp32   # trailing: Hydra overrides
 
 For each rank count N it runs, one after the other, the same global batch through:
 
@@ -25,7 +25,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from scripts.bench.bench_common import add_run_arguments, machine_info, parse_run_arguments, torchrun_train
+from lab.tools.bench.bench_common import add_run_arguments, machine_info, parse_run_arguments, torchrun_train
 
 
 def layouts(nproc: int, tp: int, global_batch: int) -> dict[str, list[str]]:

@@ -1,8 +1,8 @@
 """Memory and time of one training step (forward + backward) under each
 trainer.activation_checkpointing mode, side by side in one process.
 
-    python scripts/bench/bench_activation_memory.py                      # gpt_small, 4 x 256, fp32, CPU
-    python scripts/bench/bench_activation_memory.py --model gpt_124m --batch 8 --seq-len 1024 \\
+    python lab/tools/bench/bench_activation_memory.py                      # gpt_small, 4 x 256, fp32, CPU
+    python lab/tools/bench/bench_activation_memory.py --model gpt_124m --batch 8 --seq-len 1024 \\
         --precision bf16 --compile                                  # on CUDA
 
 Each mode trains its own copy of the model (same seed) on the same batch.
@@ -16,7 +16,7 @@ On CUDA both come from the caching allocator (memory_allocated, max_memory_alloc
 peak reserved is shown too). On the CPU there is no such counter: the step runs once under
 torch.profiler with profile_memory=True, whose allocation and free events, summed in time
 order, give the same two figures. Step times are medians of interleaved rounds without the
-profiler (scripts/bench/bench_common.py); the ratios are to `none`, measured in the same run.
+profiler (lab/tools/bench/bench_common.py); the ratios are to `none`, measured in the same run.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from model.activation_checkpoint import apply_activation_checkpointing
 from model.config import CHECKPOINTING_MODES
 from model.gpt import GPT
-from scripts.bench.bench_comm import model_config
-from scripts.bench.bench_common import interleaved_times, machine_info, paired_ratio
+from model.presets import preset_config
+from lab.tools.bench.bench_common import interleaved_times, machine_info, paired_ratio
 
 FORWARD_MARK = "bench/forward"
 MIB = 2**20
@@ -116,7 +116,7 @@ def main() -> None:
         ap.error("--modes must include none: the ratios are to it")
 
     device = torch.device(args.device)
-    cfg = replace(model_config(args.model, args.vocab), max_seq_len=max(args.seq_len, 1))
+    cfg = replace(preset_config(args.model, args.vocab), max_seq_len=max(args.seq_len, 1))
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen).to(device)
 
