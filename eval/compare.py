@@ -26,6 +26,15 @@ Series = tuple[list[int], list[float]]
 METRICS = "metrics.jsonl"
 RECORDED_METRICS = "metrics.jsonl.gz"
 
+# libyaml's parser where PyYAML has it (its wheels do): a study's report reads one config per run,
+# and the pure-Python parser was most of that report's time.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping file ({} when empty), as yaml.safe_load reads it."""
+    return yaml.load(path.read_text(), Loader=_YAML_LOADER) or {}
+
 
 @dataclass
 class Run:
@@ -115,14 +124,14 @@ def load_run(path: Path) -> Run:
     else:
         raise FileNotFoundError(f"{path}: no {METRICS}, {RECORDED_METRICS} or tb/ in this run dir")
     config_file = path / ".hydra" / "config.yaml"
-    config = (yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    config = read_yaml(config_file) if config_file.exists() else {}
     optim = config.get("optim", {})
     optimizer, lr = (optimizer_setting(optim) if "name" in optim else path.name), optim.get("lr")
     environment = read_environment(path)
     corpus = run_corpus_id(environment)
     resolved = path / "resolved_config.yaml"
     if corpus is None and resolved.exists():
-        corpus = (yaml.safe_load(resolved.read_text()) or {}).get("corpus_id")
+        corpus = read_yaml(resolved).get("corpus_id")
     return Run(path, optimizer, lr, series, corpus, environment, config)
 
 

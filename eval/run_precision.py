@@ -6,9 +6,7 @@ import functools
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
-from eval.compare import Run
+from eval.compare import Run, read_yaml
 from eval.seeds import Arm
 
 # What trainer.precision can have run in. "auto" in .hydra/config.yaml is what was asked; it
@@ -23,7 +21,7 @@ def _resolved_precision(run_dir: Path) -> Optional[str]:
     resolved = run_dir / "resolved_config.yaml"
     if not resolved.exists():
         return None
-    return _config_precision(yaml.safe_load(resolved.read_text()) or {})
+    return _config_precision(read_yaml(resolved))
 
 
 def _config_precision(config: dict) -> Optional[str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -71,8 +69,7 @@ def test_a_ctrl_c_during_a_runs_last_evaluation_stops_the_study_with_its_own_res
     out = tmp_path / "study"
     # One trial a side and no retuning: 14 runs of 2 to 4 steps.
     args = [*FAIR_SMALL, "tuning.trials=1", "compare.retune.trials=0", "compare.steps=2", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-c", CTRL_C_IN_THE_FIRST_EVALUATION, SCRIPT, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python(["-c", CTRL_C_IN_THE_FIRST_EVALUATION, SCRIPT, *args], timeout=600)
     assert proc.returncode == 130, proc.stdout[-3000:] + proc.stderr[-3000:]
     output = proc.stdout + proc.stderr
     assert "Traceback" not in output and "train.py" not in output, output[-3000:]

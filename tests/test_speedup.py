@@ -76,6 +76,17 @@ def test_pav_pools_adjacent_violators_into_a_non_increasing_fit():
         isotonic_decreasing([1.0, 2.0], [1.0, 0.0])
 
 
+def test_an_unweighted_fit_equals_the_pooling_whether_or_not_there_is_anything_to_pool():
+    """Unweighted and already non-increasing, the fit returns the values as they are (the common
+    case of a bootstrap); it must be bit for bit what pooling with unit weights gives."""
+    rng = np.random.default_rng(0)
+    cases = [sorted(rng.normal(4.0, 1.0, n).tolist(), reverse=True) for n in (1, 2, 3, 5)]
+    cases += [rng.normal(4.0, 1.0, n).tolist() for n in (2, 3, 5) for _ in range(20)]
+    cases += [[5.0, math.inf, 4.0], [math.inf, 5.0, 4.0], [5.0, 4.0, math.nan], [5.0, -math.inf, 4.0]]
+    for y in cases:
+        assert isotonic_decreasing(y).tolist() == isotonic_decreasing(y, [1.0] * len(y)).tolist(), y
+
+
 def test_the_crossing_is_interpolated_in_log_tokens():
     x = [math.log(1.0), math.log(2.0)]
     # Halfway in loss between the 1x and 2x points is halfway in log tokens: sqrt(2)x, not 1.5x.
