@@ -9,10 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from data.atomic import atomic_output
 from data.loader import TrainBatches
 from eval.evaluate import gather_stage_metrics
 from eval.flops import train_flops_per_token
@@ -23,28 +20,26 @@ from parallel.tp_ops import all_reduce
 from optim.builder import build_optimizer, muon_ns_shapes
 from optim.muon.ns_choice import resolve_ns_method
 from optim.qk_clip import QKClip
-from optim.routing import routing_census
 from optim.schedule import lr_at, warmup_steps, warmup_words
 from trainer.checkpoint import files as checkpoint_files
 from trainer.checkpoint import state as checkpoint_state
 from trainer.checkpoint import store as checkpoint
 from trainer import device as dev
-from trainer.run import environment as run_env
 from trainer.simulation import one_rank as simulate
 from trainer.config import TrainConfig
 from parallel.fsdp import sync_gradients
 from parallel.mesh import Mesh
 from trainer.precision import resolve_run_precisions
-from trainer.checkpoint.resume_checks import resume_changes
 from trainer.run.interrupts import exit_if_interrupted_during_start_up
 from trainer.run.preemption import Preempted, PreemptionFlag
 from trainer.profiling import StepProfiler
 from trainer.run.progress import Progress
 from trainer.run.sinks import MetricSinks, set_aside_rows_after
+from trainer.run.start_records import write_start_records
 from model.fp8 import refresh_weight_scales
-from trainer.build import build_pipeline_model, measured_peak_flops, model_line, prepare_data_once
+from trainer.build import build_pipeline_model, measured_peak_flops, prepare_data_once
 from trainer.evaluation import eval_sets, evaluate
-from trainer.pipeline import PipelineRun, merged_over, pipeline_record
+from trainer.pipeline import PipelineRun, merged_over
 from trainer.checkpoint.keeper import CheckpointKeeper
 from trainer.skips import SkipCounter, flag_step
 
@@ -171,45 +166,13 @@ class Trainer:
             set_aside_rows_after(run_dir, 0, starts_fresh=(
                 "a simulation resumes nothing" if simulate.simulating(cfg) else
                 "checkpoint.resume=none" if cfg.checkpoint.resume == "none" else "no checkpoint to resume from"))
-        self.environment: dict = {}
-        if self.speaks:
-            if simulate.simulating(cfg):
-                log.warning(simulate.start_line(self.mesh, self.model_cfg.n_experts))
-            self.environment = run_env.environment(
-                self.device, self.mesh.world_size, self.mesh.dp, self.mesh.tp,
-                dist.get_backend() if dist.is_initialized() else "none", self.data.describe(),
-                dp_shard=self.mesh.layout.dp_shard, ep=self.mesh.ep,
-                simulated_rank=self.mesh.rank if simulate.simulating(cfg) else None,
-                pp=self.mesh.pp, pipeline=pipeline_record(cfg) if plan is not None else None,
-                optimizers=routing_census(self.model, cfg.optim.name),
-            )
-            self._write_resolved_config()
-            run_env.save_tokenizer(run_dir, self.data.tokenizer)
-            run_env.record_environment(run_dir, self.environment, self.step if resumed is not None else None)
-            if resumed is not None:
-                for line in resume_changes(resumed["config"], self.data.corpus_id, cfg):
-                    log.warning(line)
-            log.info(self.data.startup_line())
-            log.info(model_line(self.model_cfg.name, self.params, self.mesh, self.tokens_per_step, self.data.corpus_id,
-                                self.n_params))
-            if self.fp8.recipe != "none":
-                log.info(self.fp8.line())
-            log.info(
-                "%.1f MFLOP per trained token; peak %.3f TFLOP/s per device (%s)",
-                self.flops_per_token / 1e6, self.peak_flops / 1e12,
-                "trainer.peak_tflops" if t.peak_tflops else f"measured, {t.precision} matmul",
-            )
+        # The run dir's start-up records and lines, from the rank that speaks.
+        self.environment: dict = write_start_records(self, resumed, plan is not None) if self.speaks else {}
 
     def resolved_config(self) -> dict:
         """The config as it runs: "auto" precisions resolved, the model's vocabulary set, and
         the id of the exact corpus it trains on."""
         return {**asdict(replace(self.cfg, model=self.model_cfg)), "corpus_id": self.data.corpus_id}
-
-    def _write_resolved_config(self) -> None:
-        """<run_dir>/resolved_config.yaml: .hydra/config.yaml holds what was asked ("auto"),
-        this file what ran (bf16 or fp32), for anyone reading the run dir later."""
-        with atomic_output(self.run_dir / "resolved_config.yaml") as f:
-            f.write(OmegaConf.to_yaml(OmegaConf.create(self.resolved_config())).encode())
 
     def autocast(self):
         return dev.autocast(self.device, self.cfg.trainer.precision)
